@@ -1,0 +1,105 @@
+"""Paged attention: keys and values live in blocks, read through each sequence's block table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """A sequence computing several tokens: rows ``[start, end)`` of the step's flat batch."""
+
+    start: int
+    end: int
+    context_len: int  # tokens whose KV is in the cache once this step has written its own
+    block_table: torch.Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's tokens write their KV and what each of them attends to.
+
+    Sequences that compute one token (decodes) are batched into one padded call; sequences
+    computing several (prefills of the uncached suffix) run one call each.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] flat slot = block * block_size + offset
+    prefills: list[PrefillSpan]
+    decode_rows: torch.Tensor  # [num_decodes] row of each decode token in the flat batch
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks], padded with block 0
+    decode_context_lens: torch.Tensor  # [num_decodes]
+
+
+class KVCache:
+    """Per layer, K and V tensors of ``[num_blocks, block_size, kv_heads, head_dim]``."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> None:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.block_size = block_size
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """Write this step's ``k``/``v`` into the cache, then attend through the block tables.
+
+    The write happens for the whole step before any read, so a sequence may attend to blocks
+    that another sequence of the same step is filling (a prefix shared on arrival).
+    ``q``: [tokens, heads, dim]; ``k``, ``v``: [tokens, kv_heads, dim]. Returns like ``q``.
+    """
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    for span in meta.prefills:
+        keys = k_cache[span.block_table].flatten(0, 1)[: span.context_len]
+        values = v_cache[span.block_table].flatten(0, 1)[: span.context_len]
+        num_q = span.end - span.start
+        query = q[span.start : span.end].transpose(0, 1)  # [heads, num_q, dim]
+        if num_q == span.context_len:
+            mask, causal = None, True
+        else:  # queries sit at the end of the context: a causal mask offset by the cache
+            first = span.context_len - num_q
+            qpos = torch.arange(first, span.context_len).unsqueeze(1)
+            mask, causal = torch.arange(span.context_len).unsqueeze(0) <= qpos, False
+        attended = F.scaled_dot_product_attention(
+            query,
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=causal,
+            enable_gqa=True,
+        )
+        out[span.start : span.end] = attended.transpose(0, 1)
+    if meta.decode_rows.numel():
+        tables = meta.decode_block_tables
+        keys = k_cache[tables].flatten(1, 2)  # [decodes, max_len, kv_heads, dim]
+        values = v_cache[tables].flatten(1, 2)
+        valid = torch.arange(keys.shape[1]).unsqueeze(0) < meta.decode_context_lens.unsqueeze(1)
+        attended = F.scaled_dot_product_attention(
+            q[meta.decode_rows].unsqueeze(2),  # [decodes, heads, 1, dim]
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=valid[:, None, None, :],
+            enable_gqa=True,
+        )
+        out[meta.decode_rows] = attended.squeeze(2)
+    return out

@@ -1,0 +1,118 @@
+"""Reference-counted physical KV blocks with an LRU pool of reusable cached blocks."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable
+
+
+class OutOfBlocksError(RuntimeError):
+    """Not enough free or evictable blocks; nothing was changed."""
+
+
+class BlockAllocator:
+    """Hands out physical blocks and counts who holds them.
+
+    Every block is in exactly one state, so ``num_free + num_cached + num_in_use == num_blocks``:
+
+    * free: ref count 0, holds nothing anyone wants;
+    * cached: ref count 0, holds a published prefix block; kept until its memory is needed,
+      then evicted least recently released first;
+    * in use: ref count > 0.
+
+    ``allocate`` takes free blocks first and evicts cached ones only when it must (cached
+    prefixes go before anyone is preempted, because the caller may use ``num_available``).
+    ``share`` on a cached block takes it out of the eviction order, so a prefix hit is never
+    evicted by the allocation that follows it. Ref counts never go negative.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref_counts = [0] * num_blocks
+        self._published = [False] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._cached: OrderedDict[int, None] = OrderedDict()  # LRU first
+        # Evicts one cached block; the prefix cache replaces it to forget the block's hash
+        # (and must end by calling ``unpublish``).
+        self.on_evict: Callable[[int], None] = self.unpublish
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    @property
+    def num_in_use(self) -> int:
+        return self.num_blocks - len(self._free) - len(self._cached)
+
+    @property
+    def num_available(self) -> int:
+        """Blocks ``allocate`` can hand out now, evicting cached ones if needed."""
+        return len(self._free) + len(self._cached)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def is_published(self, block: int) -> bool:
+        return self._published[block]
+
+    def eviction_order(self) -> list[int]:
+        """Cached blocks, the next to be evicted first."""
+        return list(self._cached)
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` blocks with ref count 1. Raises ``OutOfBlocksError`` (changing nothing)."""
+        if n > self.num_available:
+            raise OutOfBlocksError(f"need {n} blocks, {self.num_available} available")
+        blocks = []
+        while len(blocks) < n:
+            if not self._free:
+                self._evict_lru()
+                continue
+            block = self._free.popleft()
+            self.ref_counts[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def share(self, block: int) -> None:
+        """One more holder of a block in use, or revive a cached one (ref count 0 -> 1)."""
+        if self.ref_counts[block] == 0:
+            if block not in self._cached:
+                raise ValueError(f"block {block} is free: only in-use or cached blocks are shared")
+            del self._cached[block]
+        self.ref_counts[block] += 1
+
+    def free(self, block: int) -> None:
+        """Drop one holder; at ref count 0 a published block becomes cached (most recent)."""
+        if self.ref_counts[block] <= 0:
+            raise ValueError(f"block {block} freed more often than held")
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if self._published[block]:
+                self._cached[block] = None
+            else:
+                self._free.append(block)
+
+    def mark_published(self, block: int) -> None:
+        """The prefix cache now maps a hash to this (in-use) block."""
+        if self.ref_counts[block] == 0:
+            raise ValueError(f"block {block} is not in use")
+        self._published[block] = True
+
+    def unpublish(self, block: int) -> None:
+        """The prefix cache dropped this block: a cached one becomes free at once."""
+        self._published[block] = False
+        if block in self._cached:
+            del self._cached[block]
+            self._free.append(block)
+
+    def _evict_lru(self) -> None:
+        block = next(iter(self._cached))
+        self.on_evict(block)
+        assert block not in self._cached, "on_evict must unpublish the block"

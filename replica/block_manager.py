@@ -1,0 +1,106 @@
+"""Gives sequences their blocks: the cached prefix first, new blocks for the rest."""
+
+from __future__ import annotations
+
+from replica.block_allocator import BlockAllocator
+from replica.prefix_cache import PrefixCache
+from replica.sequence import Sequence
+from router.hashing import BlockHasher
+
+
+class BlockManager:
+    """Block tables of sequences, on top of the allocator and (optionally) the prefix cache.
+
+    A block is published when it is *scheduled* to become full, before the forward pass that
+    fills it, not when its request ends: requests admitted in the same step then hit it, since
+    every layer writes the step's keys and values before any attention of that layer reads
+    them. The caller must run every scheduled sequence in that step's forward pass.
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, hasher: BlockHasher, enable_prefix_cache: bool
+    ) -> None:
+        self.block_size = block_size
+        self.hasher = hasher
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.prefix_cache = PrefixCache(self.allocator, hasher) if enable_prefix_cache else None
+
+    def admit(self, seq: Sequence, token_budget: int) -> int | None:
+        """Give a waiting sequence its blocks; return how many tokens it must compute.
+
+        Shares the longest verified cached prefix, capped so at least one token runs, and
+        allocates the rest. Returns None, changing nothing, when the tokens left exceed
+        ``token_budget`` or the blocks do not fit even after evicting cached ones.
+        """
+        bs = self.block_size
+        n = seq.num_tokens
+        hits: list[int] = []
+        if self.prefix_cache is not None:
+            hashes = self._hashes(seq, n)
+            hits = self.prefix_cache.lookup(seq.token_ids, seq.cache_salt, hashes)
+            hits = hits[: (n - 1) // bs]
+        num_new_tokens = n - len(hits) * bs
+        if num_new_tokens > token_budget:
+            return None
+        num_new_blocks = self.allocator.blocks_needed(n) - len(hits)
+        reviving = sum(1 for b in hits if self.allocator.ref_counts[b] == 0)
+        if num_new_blocks + reviving > self.allocator.num_available:
+            return None
+        for block in hits:  # before allocating, so the allocation cannot evict a hit
+            self.allocator.share(block)
+        seq.block_table = hits + self.allocator.allocate(num_new_blocks)
+        seq.num_computed_tokens = len(hits) * bs
+        seq.num_published_blocks = len(hits)
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = len(hits) * bs
+        self._publish(seq, n)
+        return num_new_tokens
+
+    def needs_block(self, seq: Sequence) -> bool:
+        """Whether the next decode token (at ``num_computed_tokens``) needs a new block."""
+        return len(seq.block_table) * self.block_size <= seq.num_computed_tokens
+
+    def append_slot(self, seq: Sequence) -> bool:
+        """Make room for one decode token; False (nothing changed) if no block is available."""
+        if self.needs_block(seq):
+            if self.allocator.num_available < 1:
+                return False
+            seq.block_table += self.allocator.allocate(1)
+        self._publish(seq, seq.num_computed_tokens + 1)
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        """Return a sequence's blocks. The tail goes first, so it is evicted first."""
+        for block in reversed(seq.block_table):
+            self.allocator.free(block)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_published_blocks = 0
+
+    def _hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+        have = len(seq.block_hashes)
+        if num_tokens // self.block_size > have:
+            parent = seq.block_hashes[-1] if have else None
+            seq.block_hashes += self.hasher.chain(
+                seq.token_ids[:num_tokens], seq.cache_salt, parent=parent, start_block=have
+            )
+        return seq.block_hashes
+
+    def _publish(self, seq: Sequence, num_tokens: int) -> None:
+        """Publish the blocks that are full once the first ``num_tokens`` tokens are computed."""
+        if self.prefix_cache is None:
+            return
+        bs = self.block_size
+        full = num_tokens // bs
+        if full <= seq.num_published_blocks:
+            return
+        hashes = self._hashes(seq, num_tokens)
+        for i in range(seq.num_published_blocks, full):
+            self.prefix_cache.publish(
+                seq.block_table[i],
+                hashes[i],
+                seq.token_ids[i * bs : (i + 1) * bs],
+                seq.block_table[i - 1] if i else None,
+                seq.cache_salt,
+            )
+        seq.num_published_blocks = full

@@ -1,0 +1,283 @@
+"""The offline engine: ``add_request`` / ``step`` for streaming, ``generate`` for batches.
+
+No Ray here: the Serve replica (``replica.deployment``) drives this class from its loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from replica.block_manager import BlockManager
+from replica.config import EngineConfig, ModelConfig
+from replica.metrics import EngineMetrics, EngineStats, percentile
+from replica.model_runner import ModelRunner
+from replica.prefix_cache import CacheEvents
+from replica.sampler import Sampler
+from replica.sampling_params import SamplingParams
+from replica.scheduler import Scheduler
+from replica.sequence import Sequence as Seq
+from replica.sequence import SequenceStatus
+from replica.tokenizer import ByteTokenizer
+from router.hashing import BlockHasher
+
+__all__ = [
+    "CacheEvents",
+    "Engine",
+    "EngineConfig",
+    "InvalidRequestError",
+    "ModelConfig",
+    "RequestOutput",
+    "SamplingParams",
+]
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine can never serve (the message says why); nothing was changed."""
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One request's progress after a step: the tokens new in this step and all so far.
+
+    ``finish_reason`` is ``"stop"`` (EOS or a stop token), ``"length"`` (``max_tokens``) or
+    ``"abort"``. ``num_cached_tokens`` counts prompt tokens served from the prefix cache.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class Engine:
+    """A paged engine with a verified local prefix cache and continuous batching."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.tokenizer = ByteTokenizer()
+        self.hasher = BlockHasher(
+            config.block_size, config.model_id, (config.hash_secret or "").encode()
+        )
+        self.block_manager = BlockManager(
+            config.num_blocks, config.block_size, self.hasher, config.enable_prefix_cache
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self.runner = ModelRunner(config)
+        self.sampler = Sampler(config.seed)
+        self.metrics = EngineMetrics()
+        self._seqs: dict[str, Seq] = {}
+        self._listeners: list[Callable[[CacheEvents], None]] = []
+        self._ids = itertools.count()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ``InvalidRequestError`` if it can never be served."""
+        params = params or SamplingParams()
+        tokens = list(prompt_token_ids)
+        self._validate(request_id, tokens, params)
+        seq = Seq(
+            request_id,
+            tokens,
+            params,
+            cache_salt,
+            time.monotonic() if arrival_time is None else arrival_time,
+        )
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a queued or running request and free its blocks. False if unknown."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        self.sampler.forget(request_id)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        self.metrics.num_aborted += 1
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._seqs)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return an output for every request that got a token."""
+        batch = self.scheduler.schedule()
+        self.metrics.preemptions += len(batch.preempted)
+        outputs = []
+        if batch:
+            tokens = self.sampler.sample(self.runner.execute(batch), batch.seqs)
+            now = time.monotonic()
+            for seq, n, token in zip(batch.seqs, batch.num_new_tokens, tokens, strict=True):
+                outputs.append(self._advance(seq, n, token, now))
+            self.metrics.steps += 1
+        self._emit_events()
+        return outputs
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts that arrive together to completion; outputs in input order."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("one SamplingParams per prompt, or a single one for all")
+        batch_id = next(self._ids)
+        ids = [f"generate-{batch_id}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            self.add_request(rid, prompt, p, cache_salt)
+        results: dict[str, RequestOutput] = {}
+        while len(results) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    results[out.request_id] = out
+        return [results[rid] for rid in ids]
+
+    # -- cache events and introspection -----------------------------------------------------
+
+    def subscribe(self, listener: Callable[[CacheEvents], None]) -> None:
+        """Call ``listener`` once per step that published or evicted block hashes."""
+        self._listeners.append(listener)
+
+    def cached_block_hashes(self) -> set[bytes]:
+        """Every block hash held now (for an index to resynchronise from)."""
+        cache = self.block_manager.prefix_cache
+        return cache.cached_hashes() if cache is not None else set()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix. Refused (False) while requests hold blocks."""
+        cache = self.block_manager.prefix_cache
+        if cache is None or not cache.reset():
+            return False
+        self._emit_events()
+        return True
+
+    def stats(self) -> EngineStats:
+        m, alloc = self.metrics, self.block_manager.allocator
+        cache = self.block_manager.prefix_cache
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_finished=m.num_finished,
+            num_aborted=m.num_aborted,
+            prompt_tokens=m.prompt_tokens,
+            cached_prompt_tokens=m.cached_prompt_tokens,
+            hit_rate=m.hit_rate,
+            computed_tokens=m.computed_tokens,
+            generation_tokens=m.generation_tokens,
+            preemptions=m.preemptions,
+            evictions=cache.num_evictions if cache else 0,
+            hash_mismatches=cache.num_hash_mismatches if cache else 0,
+            steps=m.steps,
+            blocks_total=alloc.num_blocks,
+            blocks_free=alloc.num_free,
+            blocks_cached=alloc.num_cached,
+            blocks_in_use=alloc.num_in_use,
+            ttft_p50_s=percentile(m.ttft_s, 50),
+            ttft_p99_s=percentile(m.ttft_s, 99),
+            itl_p50_s=percentile(m.itl_s, 50),
+        )
+
+    def check_invariants(self) -> None:
+        """Assert the block accounting adds up; tests call this after every step."""
+        alloc = self.block_manager.allocator
+        assert alloc.num_free + alloc.num_cached + alloc.num_in_use == alloc.num_blocks
+        held = [0] * alloc.num_blocks
+        for seq in self.scheduler.running:
+            for block in seq.block_table:
+                held[block] += 1
+        assert held == alloc.ref_counts, "ref counts differ from the block tables"
+        assert all(not s.block_table for s in self.scheduler.waiting)
+        cache = self.block_manager.prefix_cache
+        published = sum(alloc.is_published(b) for b in range(alloc.num_blocks))
+        assert published == (len(cache) if cache else 0)
+        assert all(alloc.is_published(b) for b in alloc.eviction_order())
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _validate(self, request_id: str, tokens: list[int], params: SamplingParams) -> None:
+        cfg = self.config
+        if request_id in self._seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not tokens:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = cfg.model.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
+            raise InvalidRequestError(f"token ids must be integers in [0, {vocab})")
+        assert cfg.max_model_len is not None
+        if len(tokens) + params.max_tokens > cfg.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(tokens)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"the model's context of {cfg.max_model_len} tokens"
+            )
+        # the last generated token is never written to the cache
+        if self.block_manager.allocator.blocks_needed(len(tokens) + params.max_tokens - 1) > (
+            cfg.num_blocks
+        ):
+            raise InvalidRequestError(
+                f"prompt plus max_tokens needs more KV blocks than the engine has "
+                f"({cfg.num_blocks} x {cfg.block_size} tokens)"
+            )
+
+    def _advance(self, seq: Seq, num_new: int, token: int, now: float) -> RequestOutput:
+        m = self.metrics
+        m.computed_tokens += num_new
+        m.generation_tokens += 1
+        if seq.first_token_time is None:  # first step of this request: its prompt is done
+            m.prompt_tokens += seq.num_prompt_tokens
+            m.cached_prompt_tokens += seq.num_cached_tokens or 0
+            seq.first_token_time = now
+            m.ttft_s.append(now - seq.arrival_time)
+        else:
+            assert seq.last_token_time is not None
+            m.itl_s.append(now - seq.last_token_time)
+        seq.last_token_time = now
+        seq.num_computed_tokens += num_new
+        seq.token_ids.append(token)
+        params = seq.params
+        if token in params.stop_token_ids or (
+            token == self.config.model.eos_token_id and not params.ignore_eos
+        ):
+            seq.finish_reason = "stop"
+        elif seq.num_output_tokens >= params.max_tokens:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            seq.status = SequenceStatus.FINISHED
+            self.scheduler.remove(seq)
+            self.sampler.forget(seq.request_id)
+            del self._seqs[seq.request_id]
+            m.num_finished += 1
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token],
+            token_ids=seq.output_token_ids,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+        )
+
+    def _emit_events(self) -> None:
+        cache = self.block_manager.prefix_cache
+        events = cache.drain_events(self.metrics.steps) if cache is not None else None
+        if events is not None:
+            for listener in self._listeners:
+                listener(events)

@@ -1,0 +1,81 @@
+"""Turns a scheduled batch into tensors, runs the model and returns next-token logits."""
+
+from __future__ import annotations
+
+import torch
+
+from replica.attention import AttentionMetadata, KVCache, PrefillSpan
+from replica.config import EngineConfig
+from replica.model import LlamaForCausalLM, load_hf_weights
+from replica.scheduler import ScheduledBatch
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+class ModelRunner:
+    """Owns the model weights and the paged KV cache of one engine."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        dtype = _DTYPES[config.dtype]
+        model = LlamaForCausalLM(config.model)
+        if config.model_path is not None:
+            load_hf_weights(model, config.model_path)
+        else:
+            model.init_random(config.seed)
+        self.model = model.to(dtype).eval()
+        m = config.model
+        self.kv_cache = KVCache(
+            m.num_layers, config.num_blocks, config.block_size, m.num_kv_heads, m.head_dim, dtype
+        )
+        self.block_size = config.block_size
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Run every scheduled token; logits ([num_seqs, vocab], float32) of each last one."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_rows: list[int] = []
+        prefills: list[PrefillSpan] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            start, first = len(input_ids), seq.num_computed_tokens
+            context_len = first + n
+            input_ids += seq.token_ids[first:context_len]
+            positions += range(first, context_len)
+            slots += (seq.block_table[p // bs] * bs + p % bs for p in range(first, context_len))
+            last_rows.append(start + n - 1)
+            used_blocks = seq.block_table[: -(-context_len // bs)]
+            if n == 1:
+                decode_rows.append(start)
+                decode_tables.append(used_blocks)
+                decode_lens.append(context_len)
+            else:
+                table = torch.tensor(used_blocks, dtype=torch.long)
+                prefills.append(PrefillSpan(start, start + n, context_len, table))
+        width = max((len(t) for t in decode_tables), default=0)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            prefills=prefills,
+            decode_rows=torch.tensor(decode_rows, dtype=torch.long),
+            decode_block_tables=torch.tensor(
+                [t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long
+            ).view(len(decode_tables), width),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.long),
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long),
+            torch.tensor(positions, dtype=torch.long),
+            self.kv_cache,
+            meta,
+        )
+        return self.model.compute_logits(hidden[torch.tensor(last_rows, dtype=torch.long)])

@@ -1,0 +1,182 @@
+"""The local prefix cache: published full blocks, found by hash, verified by tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from replica.block_allocator import BlockAllocator
+from router.hashing import BlockHasher
+
+
+@dataclass(eq=False, slots=True)
+class CachedBlock:
+    """A published block: what it holds and what came before it.
+
+    ``parent`` is the published block this one continues (None for a sequence's first block,
+    whose namespace is ``cache_salt``). Together with ``token_ids`` it pins the block's whole
+    context: a chain of verified parents means every earlier token matched too.
+    """
+
+    block_id: int
+    block_hash: bytes
+    token_ids: tuple[int, ...]
+    parent: CachedBlock | None
+    cache_salt: str | None
+    children: list[CachedBlock] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CacheEvents:
+    """What changed in one engine step: hashes now held, hashes no longer held.
+
+    A hash is reported stored when the engine's first block with it is published and removed
+    when its last one is evicted. ``cleared`` means every earlier hash is gone (a reset).
+    """
+
+    step: int
+    stored: tuple[bytes, ...]
+    removed: tuple[bytes, ...]
+    cleared: bool = False
+
+
+class PrefixCache:
+    """Maps block hashes to published physical blocks.
+
+    Invariants:
+
+    * Every entry's parent is an entry too (evicting a block evicts its cached descendants,
+      which are unreachable without it), so every hash held is reachable by ``lookup``.
+    * A hit is verified, never trusted: a block matches only if its tokens equal the request's
+      and its parent is the block matched just before (or, for block 0, its salt is the
+      request's). A hash collision therefore costs a miss, never someone else's context.
+    * A hash may map to several blocks (the same content computed twice, or a collision);
+      ``lookup`` follows whichever verified path is longest.
+    """
+
+    def __init__(self, allocator: BlockAllocator, hasher: BlockHasher) -> None:
+        if hasher.block_size != allocator.block_size:
+            raise ValueError("hasher and allocator disagree on block_size")
+        self.allocator = allocator
+        self.hasher = hasher
+        self._by_hash: dict[bytes, list[CachedBlock]] = {}
+        self._by_block: dict[int, CachedBlock] = {}
+        self._changes: dict[bytes, bool] = {}  # hash -> held, since the last drain
+        self._cleared = False
+        self.num_evictions = 0
+        self.num_hash_mismatches = 0
+        allocator.on_evict = self._evict
+
+    def __len__(self) -> int:
+        return len(self._by_block)
+
+    def lookup(
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        block_hashes: Sequence[bytes] | None = None,
+    ) -> list[int]:
+        """Return the physical blocks covering the longest cached prefix of ``token_ids``.
+
+        Stops at the first miss: a prefix is only usable if every block before it is too, so a
+        later hit after a gap is worthless. ``block_hashes`` may pass the chain if the caller
+        already has it; it is recomputed otherwise.
+        """
+        if block_hashes is None:
+            block_hashes = self.hasher.chain(token_ids, cache_salt)
+        bs = self.allocator.block_size
+        level: list[CachedBlock | None] = [None]
+        for i, block_hash in enumerate(block_hashes):
+            candidates = self._by_hash.get(block_hash)
+            if not candidates:
+                break
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            matched = [
+                e
+                for e in candidates
+                if e.token_ids == tokens
+                and e.parent in level
+                and (e.parent is not None or e.cache_salt == cache_salt)
+            ]
+            if not matched:
+                self.num_hash_mismatches += 1
+                break
+            level = matched
+        path = []
+        entry = level[0]
+        while entry is not None:
+            path.append(entry.block_id)
+            entry = entry.parent
+        return path[::-1]
+
+    def publish(
+        self,
+        block_id: int,
+        block_hash: bytes,
+        token_ids: Sequence[int],
+        parent_block: int | None,
+        cache_salt: str | None,
+    ) -> None:
+        """Make a full, in-use block findable. ``parent_block`` must be published already."""
+        if block_id in self._by_block:
+            return
+        parent = None if parent_block is None else self._by_block[parent_block]
+        entry = CachedBlock(block_id, block_hash, tuple(token_ids), parent, cache_salt)
+        self.allocator.mark_published(block_id)
+        self._by_block[block_id] = entry
+        if parent is not None:
+            parent.children.append(entry)
+        same_hash = self._by_hash.setdefault(block_hash, [])
+        same_hash.append(entry)
+        if len(same_hash) == 1:
+            self._changes[block_hash] = True
+
+    def is_published(self, block_id: int) -> bool:
+        return block_id in self._by_block
+
+    def cached_hashes(self) -> set[bytes]:
+        """Every hash this cache holds (published blocks, in use or not)."""
+        return set(self._by_hash)
+
+    def reset(self) -> bool:
+        """Forget every cached block. Refused (False) while any block is in use."""
+        if self.allocator.num_in_use:
+            return False
+        for entry in [e for e in self._by_block.values() if e.parent is None]:
+            self._drop(entry)
+        self._changes.clear()
+        self._cleared = True
+        return True
+
+    def drain_events(self, step: int) -> CacheEvents | None:
+        """The changes since the last drain, or None if there were none."""
+        if not self._changes and not self._cleared:
+            return None
+        events = CacheEvents(
+            step=step,
+            stored=tuple(h for h, held in self._changes.items() if held),
+            removed=tuple(h for h, held in self._changes.items() if not held),
+            cleared=self._cleared,
+        )
+        self._changes.clear()
+        self._cleared = False
+        return events
+
+    def _evict(self, block_id: int) -> None:
+        held = len(self._by_block)
+        self._drop(self._by_block[block_id])
+        self.num_evictions += held - len(self._by_block)
+
+    def _drop(self, entry: CachedBlock) -> None:
+        assert self.allocator.ref_counts[entry.block_id] == 0, "dropping a block in use"
+        for child in list(entry.children):
+            self._drop(child)
+        if entry.parent is not None:
+            entry.parent.children.remove(entry)
+        same_hash = self._by_hash[entry.block_hash]
+        same_hash.remove(entry)
+        if not same_hash:
+            del self._by_hash[entry.block_hash]
+            self._changes[entry.block_hash] = False
+        del self._by_block[entry.block_id]
+        self.allocator.unpublish(entry.block_id)
