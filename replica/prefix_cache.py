@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from replica.block_allocator import BlockAllocator
 from router.hashing import BlockHasher
@@ -23,7 +23,6 @@ class CachedBlock:
     token_ids: tuple[int, ...]
     parent: CachedBlock | None
     cache_salt: str | None
-    children: list[CachedBlock] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -45,13 +44,15 @@ class PrefixCache:
 
     Invariants:
 
-    * Every entry's parent is an entry too (evicting a block evicts its cached descendants,
-      which are unreachable without it), so every hash held is reachable by ``lookup``.
     * A hit is verified, never trusted: a block matches only if its tokens equal the request's
       and its parent is the block matched just before (or, for block 0, its salt is the
       request's). A hash collision therefore costs a miss, never someone else's context.
     * A hash may map to several blocks (the same content computed twice, or a collision);
       ``lookup`` follows whichever verified path is longest.
+    * A block whose parent was evicted is unreachable (its parent can never verify again)
+      until it is evicted itself. Sequences hold every block of their prefix and release
+      their tail first, so a parent is never older in the LRU order than its children: LRU
+      eviction never strands a block, only an out-of-order ``evict`` can.
     """
 
     def __init__(self, allocator: BlockAllocator, hasher: BlockHasher) -> None:
@@ -65,7 +66,7 @@ class PrefixCache:
         self._cleared = False
         self.num_evictions = 0
         self.num_hash_mismatches = 0
-        allocator.on_evict = self._evict
+        allocator.on_evict = self.evict
 
     def __len__(self) -> int:
         return len(self._by_block)
@@ -124,8 +125,6 @@ class PrefixCache:
         entry = CachedBlock(block_id, block_hash, tuple(token_ids), parent, cache_salt)
         self.allocator.mark_published(block_id)
         self._by_block[block_id] = entry
-        if parent is not None:
-            parent.children.append(entry)
         same_hash = self._by_hash.setdefault(block_hash, [])
         same_hash.append(entry)
         if len(same_hash) == 1:
@@ -142,7 +141,7 @@ class PrefixCache:
         """Forget every cached block. Refused (False) while any block is in use."""
         if self.allocator.num_in_use:
             return False
-        for entry in [e for e in self._by_block.values() if e.parent is None]:
+        for entry in list(self._by_block.values()):
             self._drop(entry)
         self._changes.clear()
         self._cleared = True
@@ -162,17 +161,14 @@ class PrefixCache:
         self._cleared = False
         return events
 
-    def _evict(self, block_id: int) -> None:
-        held = len(self._by_block)
+    def evict(self, block_id: int) -> None:
+        """Forget one cached, unreferenced block and free it (the allocator's LRU victim)."""
         self._drop(self._by_block[block_id])
-        self.num_evictions += held - len(self._by_block)
+        self.num_evictions += 1
 
     def _drop(self, entry: CachedBlock) -> None:
-        assert self.allocator.ref_counts[entry.block_id] == 0, "dropping a block in use"
-        for child in list(entry.children):
-            self._drop(child)
-        if entry.parent is not None:
-            entry.parent.children.remove(entry)
+        if self.allocator.ref_counts[entry.block_id]:
+            raise ValueError(f"block {entry.block_id} is in use")
         same_hash = self._by_hash[entry.block_hash]
         same_hash.remove(entry)
         if not same_hash:

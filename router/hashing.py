@@ -59,9 +59,7 @@ class BlockHasher:
     def root(self, cache_salt: str | None = None) -> bytes:
         """``h_{-1}``: the namespace of a chain. Different salts give unrelated chains."""
         salt = b"" if cache_salt is None else b"\x01" + cache_salt.encode()
-        data = b"\x00".join(
-            (_SCHEME, str(self.block_size).encode(), self.model_id.encode(), salt)
-        )
+        data = b"\x00".join((_SCHEME, str(self.block_size).encode(), self.model_id.encode(), salt))
         return _digest(data, self.secret)
 
     def hash_block(self, parent: bytes, block_tokens: Sequence[int]) -> bytes:

@@ -1,0 +1,220 @@
+"""Block-level scenarios on tiny pools: exact block ids, ref counts and eviction order."""
+
+from __future__ import annotations
+
+import pytest
+
+import router.hashing
+from replica.block_allocator import BlockAllocator, OutOfBlocksError
+from replica.block_manager import BlockManager
+from replica.sampling_params import SamplingParams
+from replica.sequence import Sequence
+from router.hashing import BlockHasher
+
+BS = 4
+
+
+def manager(num_blocks: int = 8, enable_prefix_cache: bool = True) -> BlockManager:
+    return BlockManager(num_blocks, BS, BlockHasher(BS, "test-model"), enable_prefix_cache)
+
+
+def seq(tokens: list[int], rid: str = "r", salt: str | None = None) -> Sequence:
+    return Sequence(rid, list(tokens), SamplingParams(), salt, arrival_time=0.0)
+
+
+def run_prefill(bm: BlockManager, s: Sequence) -> int:
+    """Admit a sequence and mark its prefill computed, as one engine step would."""
+    n = bm.admit(s, token_budget=10_000)
+    assert n is not None
+    s.num_computed_tokens += n
+    return n
+
+
+def test_allocator_ref_counts_and_atomic_failure() -> None:
+    alloc = BlockAllocator(num_blocks=4, block_size=BS)
+    assert alloc.allocate(3) == [0, 1, 2]
+    alloc.share(1)
+    assert alloc.ref_counts == [1, 2, 1, 0]
+    with pytest.raises(OutOfBlocksError):
+        alloc.allocate(2)
+    assert alloc.ref_counts == [1, 2, 1, 0]
+    assert alloc.num_free == 1
+    alloc.free(1)
+    alloc.free(1)
+    with pytest.raises(ValueError):
+        alloc.free(1)  # never below zero
+    with pytest.raises(ValueError):
+        alloc.share(1)  # a free block holds nothing to share
+    assert alloc.ref_counts == [1, 0, 1, 0]
+    assert alloc.blocks_needed(0) == 0
+    assert alloc.blocks_needed(4) == 1
+    assert alloc.blocks_needed(5) == 2
+
+
+def test_shared_full_blocks_get_ref_count_two_and_only_new_blocks_are_allocated() -> None:
+    bm = manager()
+    a = seq(list(range(10)), "a")  # 2 full blocks + 2 tokens
+    assert run_prefill(bm, a) == 10
+    assert a.block_table == [0, 1, 2]
+    b = seq([*range(8), 50, 51], "b")
+    assert bm.admit(b, 10_000) == 2  # only the tail is computed
+    assert b.block_table == [0, 1, 3]
+    assert b.num_cached_tokens == 8
+    assert bm.allocator.ref_counts[:4] == [2, 2, 1, 1]
+    assert bm.allocator.num_free == 4
+
+
+def test_block_filled_during_decode_is_published_and_the_partial_next_is_not() -> None:
+    bm = manager()
+    cache = bm.prefix_cache
+    assert cache is not None
+    s = seq(list(range(7)), "s")  # block 0 full, block 1 has 3 of 4 tokens
+    run_prefill(bm, s)
+    assert [cache.is_published(b) for b in s.block_table] == [True, False]
+    s.token_ids.append(100)  # decode: the token at position 7 fills block 1
+    assert bm.append_slot(s)
+    assert s.block_table == [0, 1]
+    assert cache.is_published(1)
+    s.num_computed_tokens += 1
+    s.token_ids.append(101)  # position 8 starts block 2
+    assert bm.append_slot(s)
+    assert s.block_table == [0, 1, 2]
+    assert not cache.is_published(2)
+    # a later request sharing the generated text hits the block filled during decode
+    other = seq([*range(7), 100, 7, 7], "other")
+    assert bm.admit(other, 10_000) == 2
+    assert other.block_table[:2] == [0, 1]
+
+
+def test_freed_blocks_are_evicted_tail_first_then_in_release_order() -> None:
+    bm = manager()
+    a = seq(list(range(13)), "a")  # 3 full blocks + 1 token
+    run_prefill(bm, a)
+    assert a.block_table == [0, 1, 2, 3]
+    bm.release(a)
+    assert bm.allocator.eviction_order() == [2, 1, 0]  # the partial block 3 is just free
+    b = seq(list(range(100, 109)), "b")
+    run_prefill(bm, b)
+    assert b.block_table == [4, 5, 6]  # free blocks go before any cached one
+    bm.release(b)
+    assert bm.allocator.eviction_order() == [2, 1, 0, 5, 4]
+    assert bm.allocator.num_free + bm.allocator.num_cached == 8
+
+
+def test_a_hit_block_is_not_evicted_by_the_allocation_that_follows_it() -> None:
+    bm = manager(num_blocks=4)
+    x = seq([1, 2, 3, 4, 5], "x")
+    run_prefill(bm, x)
+    assert x.block_table == [0, 1]
+    bm.release(x)  # block 0 cached (the oldest), block 1 free
+    y = seq(list(range(100, 109)), "y")
+    run_prefill(bm, y)
+    assert y.block_table == [2, 3, 1]
+    bm.release(y)
+    assert bm.allocator.eviction_order() == [0, 3, 2]  # the hit-to-be is first in line
+    z = seq([1, 2, 3, 4, *range(200, 209)], "z")  # shares x's block 0, needs 3 more
+    assert bm.admit(z, 10_000) == 9
+    assert z.block_table == [0, 1, 3, 2]
+    assert bm.allocator.ref_counts == [1, 1, 1, 1]
+    assert bm.prefix_cache is not None
+    assert bm.prefix_cache.num_evictions == 2  # y's blocks went, the hit stayed
+
+
+def test_a_failed_admission_leaves_every_ref_count_untouched() -> None:
+    bm = manager(num_blocks=4)
+    a = seq(list(range(9)), "a")
+    run_prefill(bm, a)
+    before = list(bm.allocator.ref_counts)
+    b = seq([*range(8), *range(50, 58)], "b")  # 2 shared + 2 new blocks, only 1 free
+    assert bm.admit(b, 10_000) is None
+    assert bm.allocator.ref_counts == before
+    assert b.block_table == []
+    assert b.num_cached_tokens is None
+    assert bm.admit(seq([*range(8), 9], "c"), token_budget=0) is None  # over the budget
+    assert bm.allocator.ref_counts == before
+
+
+def test_salted_namespaces_never_share() -> None:
+    bm = manager(num_blocks=16)
+    tokens = list(range(9))
+    run_prefill(bm, seq(tokens, "t1", salt="tenant-1"))
+    assert bm.admit(seq(tokens, "t2", salt="tenant-2"), 10_000) == 9
+    assert bm.admit(seq(tokens, "unsalted"), 10_000) == 9
+    assert bm.admit(seq(tokens, "t1-again", salt="tenant-1"), 10_000) == 1
+
+
+def test_reset_is_refused_while_blocks_are_in_use() -> None:
+    bm = manager()
+    cache = bm.prefix_cache
+    assert cache is not None
+    s = seq(list(range(9)), "s")
+    run_prefill(bm, s)
+    assert not cache.reset()
+    assert len(cache) == 2
+    bm.release(s)
+    assert cache.reset()
+    assert len(cache) == 0
+    assert bm.allocator.num_free == 8
+    assert cache.lookup(list(range(9))) == []
+
+
+def test_lookup_stops_at_the_first_miss() -> None:
+    bm = manager()
+    cache = bm.prefix_cache
+    assert cache is not None
+    prompt = [*range(16), 99]  # 4 full blocks + 1 token
+    s = seq(prompt, "s")
+    run_prefill(bm, s)
+    table = list(s.block_table)
+    bm.release(s)
+    cache.evict(table[1])  # blocks 0, 2 and 3 stay cached
+    assert [cache.is_published(b) for b in table[:4]] == [True, False, True, True]
+    assert cache.lookup(prompt) == [table[0]]
+    again = seq(prompt, "again")
+    assert bm.admit(again, 10_000) == len(prompt) - BS
+    assert again.num_cached_tokens == BS
+
+
+def test_a_shared_middle_block_without_the_shared_start_shares_nothing() -> None:
+    bm = manager()
+    middle = [7, 7, 7, 7]
+    run_prefill(bm, seq([1, 2, 3, 4, *middle, 5], "a"))
+    assert bm.prefix_cache is not None
+    assert bm.prefix_cache.lookup([9, 9, 9, 9, *middle, 5]) == []
+
+
+def test_a_forced_hash_collision_never_gives_a_wrong_hit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(router.hashing, "_digest", lambda data, key: b"\x00" * 16)
+    bm = manager()
+    cache = bm.prefix_cache
+    assert cache is not None
+    a = seq([*range(8), 1], "a")
+    run_prefill(bm, a)
+    # every block of every prompt now has the same hash; tokens differ
+    assert cache.lookup([*range(100, 108), 1]) == []
+    assert cache.num_hash_mismatches == 1
+    # same first block, different second one: only the first is shared
+    assert cache.lookup([*range(4), 9, 9, 9, 9, 1]) == [a.block_table[0]]
+    # the true prefix still hits in full
+    assert cache.lookup([*range(8), 1]) == a.block_table[:2]
+    # same tokens under another salt: the root differs in content, not in hash
+    assert cache.lookup([*range(8), 1], cache_salt="other") == []
+
+
+def test_events_report_stored_and_removed_hashes_once() -> None:
+    bm = manager(num_blocks=3)
+    cache = bm.prefix_cache
+    assert cache is not None
+    a = seq(list(range(9)), "a")
+    run_prefill(bm, a)
+    hashes = list(a.block_hashes)
+    events = cache.drain_events(step=1)
+    assert events is not None
+    assert set(events.stored) == set(hashes) and events.removed == ()
+    assert cache.drain_events(step=2) is None
+    bm.release(a)
+    run_prefill(bm, seq(list(range(100, 109)), "b"))  # evicts both of a's blocks
+    events = cache.drain_events(step=3)
+    assert events is not None
+    assert set(events.removed) == set(hashes)
+    assert cache.cached_hashes().isdisjoint(hashes)

@@ -1,0 +1,259 @@
+"""The engine end to end (no Ray): sharing on arrival, equivalence, preemption, errors."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+import router.hashing
+from replica.engine import Engine, EngineConfig, InvalidRequestError, SamplingParams
+from replica.model import LlamaForCausalLM
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def shared_prefix_prompts(n: int, seed: int = 0, block_size: int = 16) -> list[list[int]]:
+    """Prompts in three groups sharing 1-4 full blocks, with unique tails of 1-20 tokens."""
+    rng = random.Random(seed)
+    systems = [[256] + [rng.randrange(256) for _ in range(k * block_size - 1)] for k in (1, 3, 4)]
+    return [
+        systems[i % 3] + [rng.randrange(256) for _ in range(rng.randrange(1, 21))] for i in range(n)
+    ]
+
+
+def test_requests_arriving_together_compute_a_shared_prompt_once() -> None:
+    engine = Engine(EngineConfig(block_size=16))
+    system = [256] + list(range(63))  # 4 full blocks
+    tails = [[100 + i] * (i + 1) for i in range(8)]
+    outs = engine.generate([system + t for t in tails], SamplingParams(max_tokens=1))
+    assert [o.num_cached_tokens for o in outs] == [0] + [64] * 7
+    stats = engine.stats()
+    assert stats.steps == 1  # all eight were prefilled in the same step
+    assert stats.computed_tokens == 64 + sum(len(t) for t in tails)
+    assert stats.cached_prompt_tokens == 7 * 64
+    assert stats.hit_rate == pytest.approx(7 * 64 / (8 * 64 + sum(len(t) for t in tails)))
+
+
+@pytest.mark.parametrize("max_num_seqs", [4, 32])
+def test_greedy_output_is_identical_with_the_cache_on_and_off(max_num_seqs: int) -> None:
+    prompts = shared_prefix_prompts(18)
+    on = Engine(EngineConfig(max_num_seqs=max_num_seqs))
+    off = Engine(EngineConfig(max_num_seqs=max_num_seqs, enable_prefix_cache=False))
+    outs_on, outs_off = on.generate(prompts, GREEDY), off.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs_on] == [o.token_ids for o in outs_off]
+    assert on.stats().cached_prompt_tokens > 0
+    assert off.stats().cached_prompt_tokens == 0
+    # the model's output depends on the context, so a wrong hit would show
+    assert len({tuple(o.token_ids) for o in outs_off}) == len(prompts)
+
+
+def test_equivalence_holds_under_memory_pressure_with_preemption() -> None:
+    prompts = shared_prefix_prompts(12, seed=3)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    tight = Engine(EngineConfig(num_blocks=24, max_num_seqs=12))
+    reference = Engine(EngineConfig(enable_prefix_cache=False))
+    outs = tight.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in reference.generate(prompts, params)]
+    stats = tight.stats()
+    assert stats.preemptions > 0
+    assert stats.evictions > 0
+    assert stats.blocks_in_use == 0
+    assert stats.blocks_free + stats.blocks_cached == stats.blocks_total
+
+
+def test_a_fully_cached_prompt_still_runs_and_gives_the_same_output() -> None:
+    engine = Engine(EngineConfig(block_size=16))
+    prompt = [256] + list(range(47))  # exactly 3 blocks
+    first = engine.generate([prompt], GREEDY)[0]
+    computed = engine.stats().computed_tokens
+    second = engine.generate([prompt], GREEDY)[0]
+    assert second.num_cached_tokens == 32  # capped at (48 - 1) // 16 blocks
+    assert engine.stats().computed_tokens - computed == 16 + GREEDY.max_tokens - 1
+    assert second.token_ids == first.token_ids
+
+
+def test_a_forced_hash_collision_does_not_change_any_output(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prompts = shared_prefix_prompts(9, seed=5)
+    expected = Engine(EngineConfig(enable_prefix_cache=False)).generate(prompts, GREEDY)
+    monkeypatch.setattr(router.hashing, "_digest", lambda data, key: b"\x01" * 16)
+    engine = Engine(EngineConfig())
+    outs = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert engine.stats().hash_mismatches > 0
+    assert engine.stats().cached_prompt_tokens > 0  # true prefixes are still shared
+
+
+def test_a_trace_without_shared_text_gets_no_hits() -> None:
+    rng = random.Random(11)
+    prompts = [[256] + [rng.randrange(256) for _ in range(80)] for _ in range(10)]
+    engine = Engine(EngineConfig())
+    engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert engine.stats().cached_prompt_tokens == 0
+    assert engine.stats().hit_rate == 0.0
+
+
+def test_stop_conditions() -> None:
+    engine = Engine(EngineConfig())
+    prompt = [256, *b"stop here"]
+    free_run = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    assert free_run.finish_reason == "length" and len(free_run.token_ids) == 12
+    stop_at = free_run.token_ids[5]
+    cut = engine.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=(stop_at,)))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.token_ids == free_run.token_ids[: free_run.token_ids.index(stop_at) + 1]
+
+    eos_engine = Engine(EngineConfig(model={"eos_token_id": stop_at}))
+    at_eos = eos_engine.generate([prompt], SamplingParams(max_tokens=12))[0]
+    assert at_eos.finish_reason == "stop" and at_eos.token_ids[-1] == stop_at
+    ignored = eos_engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    assert ignored.token_ids == free_run.token_ids
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch() -> None:
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=1234)
+    prompt = [256, *b"sample me"]
+    alone = Engine(EngineConfig()).generate([prompt], params)[0]
+    crowd = shared_prefix_prompts(5) + [prompt]
+    together = Engine(EngineConfig()).generate(crowd, [GREEDY] * 5 + [params])[-1]
+    assert alone.token_ids == together.token_ids
+    greedy = Engine(EngineConfig()).generate([prompt], SamplingParams(max_tokens=16))[0]
+    assert alone.token_ids != greedy.token_ids
+
+
+def test_streaming_step_outputs_and_abort_free_blocks() -> None:
+    engine = Engine(EngineConfig(num_blocks=64))
+    engine.add_request("keep", [256, *b"hello"], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.add_request("drop", [256] + [7] * 40, SamplingParams(max_tokens=50, ignore_eos=True))
+    streamed: list[int] = []
+    first = engine.step()
+    assert {o.request_id for o in first} == {"keep", "drop"}
+    assert engine.abort_request("drop")
+    assert not engine.abort_request("drop")
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == "keep"
+            streamed += out.new_token_ids
+    assert len(streamed) == 4
+    stats = engine.stats()
+    assert stats.num_aborted == 1 and stats.num_finished == 1
+    assert stats.blocks_in_use == 0
+    engine.check_invariants()
+
+
+def test_invalid_requests_get_clear_errors_and_change_nothing() -> None:
+    engine = Engine(EngineConfig(num_blocks=8, block_size=16, max_model_len=512))
+    cases = [
+        ([], SamplingParams(), "empty"),
+        ([1, 2, 999], SamplingParams(), r"\[0, 258\)"),
+        ([1] * 500, SamplingParams(max_tokens=20), "context of 512"),
+        ([1] * 100, SamplingParams(max_tokens=100), "more KV blocks"),
+    ]
+    for tokens, params, message in cases:
+        with pytest.raises(InvalidRequestError, match=message):
+            engine.add_request("bad", tokens, params)
+    engine.add_request("ok", [1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("ok", [1, 2, 3])
+    assert not engine.has_unfinished_requests() or engine.stats().num_waiting == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().num_finished == 1
+    engine.check_invariants()
+
+
+def test_events_let_an_observer_track_the_cached_set_exactly() -> None:
+    engine = Engine(EngineConfig(num_blocks=40))
+    view: set[bytes] = set()
+
+    def apply(events):  # what the index does with them
+        if events.cleared:
+            view.clear()
+        view.difference_update(events.removed)
+        view.update(events.stored)
+
+    engine.subscribe(apply)
+    for seed in range(4):
+        engine.generate(shared_prefix_prompts(6, seed=seed), GREEDY)
+        assert view == engine.cached_block_hashes()
+    assert engine.stats().evictions > 0
+    assert engine.reset_prefix_cache()
+    assert view == set() == engine.cached_block_hashes()
+
+
+def test_real_llama_weights_load_from_a_hugging_face_folder(tmp_path) -> None:
+    source = Engine(EngineConfig(seed=42))
+    model: LlamaForCausalLM = source.runner.model
+    weights = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(weights, tmp_path / "model.safetensors")
+    cfg = model.config
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": cfg.vocab_size,
+                "hidden_size": cfg.hidden_size,
+                "num_hidden_layers": cfg.num_layers,
+                "num_attention_heads": cfg.num_heads,
+                "num_key_value_heads": cfg.num_kv_heads,
+                "intermediate_size": cfg.intermediate_size,
+                "max_position_embeddings": cfg.max_position,
+                "bos_token_id": cfg.bos_token_id,
+                "eos_token_id": cfg.eos_token_id,
+            }
+        )
+    )
+    loaded = Engine(EngineConfig(seed=0, model_path=str(tmp_path)))
+    prompts = shared_prefix_prompts(3)
+    assert [o.token_ids for o in loaded.generate(prompts, GREEDY)] == [
+        o.token_ids for o in source.generate(prompts, GREEDY)
+    ]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["add", "step", "step", "abort"]),
+            st.integers(0, 3),  # which shared prefix
+            st.integers(1, 30),  # tail length
+            st.integers(1, 20),  # max tokens
+        ),
+        min_size=5,
+        max_size=40,
+    )
+)
+def test_block_accounting_adds_up_after_every_step(ops) -> None:
+    engine = Engine(
+        EngineConfig(
+            model={"num_layers": 1, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 1},
+            block_size=4,
+            num_blocks=14,
+            max_num_seqs=4,
+            max_num_batched_tokens=48,
+        )
+    )
+    prefixes = [[256] + [p] * (4 * p + 3) for p in range(4)]
+    live: list[str] = []
+    for i, (op, prefix, tail, max_tokens) in enumerate(ops):
+        if op == "add":
+            prompt = prefixes[prefix] + [i % 256] * tail
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens))
+            live.append(f"r{i}")
+        elif op == "abort" and live:
+            engine.abort_request(live.pop(prefix % len(live)))
+        else:
+            engine.step()
+        engine.check_invariants()
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_invariants()
+    stats = engine.stats()
+    assert stats.blocks_in_use == 0
+    assert stats.blocks_free + stats.blocks_cached == stats.blocks_total
