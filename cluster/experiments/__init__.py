@@ -1,0 +1,1 @@
+"""Experiments: ``python -m cluster.experiments <name> --out PATH``; each prints its JSON last."""

@@ -1,0 +1,34 @@
+"""``python -m cluster.experiments <experiment> [--out PATH] ...``"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from cluster.experiments import engine_bench
+
+EXPERIMENTS = {
+    "engine": (engine_bench, "prefix cache off vs on on one trace, one engine"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m cluster.experiments")
+    sub = parser.add_subparsers(dest="experiment", required=True)
+    for name, (module, help_text) in EXPERIMENTS.items():
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--out", type=Path, help="also write the JSON result here")
+        module.add_arguments(p)
+    args = parser.parse_args(argv)
+    result = EXPERIMENTS[args.experiment][0].run(args)
+    text = json.dumps(result, default=str)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    sys.stdout.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

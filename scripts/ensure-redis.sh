@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# ensure-redis.sh install        install Debian's redis-server if it is missing
+# ensure-redis.sh start [PORT]   also start a local redis-server on PORT (default 6379)
+#                                unless one already answers there
+set -euo pipefail
+port="${2:-6379}"
+
+if ! command -v redis-server >/dev/null 2>&1; then
+    echo "redis-server missing: installing Debian's redis-server" >&2
+    sudo=""
+    [ "$(id -u)" = 0 ] || sudo="sudo"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq redis-server >/dev/null
+fi
+
+if [ "${1:-install}" = start ]; then
+    if redis-cli -p "$port" ping >/dev/null 2>&1; then
+        echo "redis-server already answers on port $port" >&2
+    else
+        mkdir -p .run
+        redis-server --port "$port" --daemonize yes --save "" --appendonly no \
+            --pidfile "$PWD/.run/redis-$port.pid" --logfile "$PWD/.run/redis-$port.log"
+        for _ in $(seq 50); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
+        echo "started redis-server on port $port (pid file .run/redis-$port.pid)" >&2
+    fi
+fi

@@ -1,0 +1,208 @@
+"""The Redis block index against a real redis-server, alone and fed by a real engine."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import redis
+
+from cluster.config import IndexConfig
+from cluster.index import BlockIndex, StaleEpochError
+from cluster.index_publisher import IndexPublisher
+from cluster.redis_server import LocalRedis
+from replica.engine import Engine, EngineConfig, SamplingParams
+from router.hashing import BlockHasher
+
+MODEL = "tiny-llama-6m"
+H = [bytes([i]) * 16 for i in range(8)]  # a stand-in chain of 8 block hashes
+
+
+def index_for(server: LocalRedis, **overrides) -> BlockIndex:
+    return BlockIndex(IndexConfig(url=server.url, **overrides), MODEL)
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    systems = [[256] + [rng.randrange(256) for _ in range(16 * k + 5)] for k in (2, 4, 6)]
+    return [systems[i % 3] + [rng.randrange(256) for _ in range(9)] for i in range(n)]
+
+
+def test_query_gives_each_live_replica_its_longest_consecutive_prefix(fresh_redis) -> None:
+    index = index_for(fresh_redis)
+    holdings = {"a": H[:4], "b": [H[0], H[1], H[3]], "c": H[1:4], "d": []}
+    for rid, blocks in holdings.items():
+        index.register(rid, "e1")
+        index.publish(rid, "e1", blocks)
+    assert index.query(H[:4]) == {"a": 4, "b": 2, "c": 0, "d": 0}
+    assert index.query(H[:2]) == {"a": 2, "b": 2, "c": 0, "d": 0}
+    index.publish("a", "e1", stored=[], removed=[H[2]])
+    assert index.query(H[:4])["a"] == 2
+    assert index.query([]) == {"a": 0, "b": 0, "c": 0, "d": 0}
+    assert index.counters.query_failures == 0
+
+
+def test_an_expired_heartbeat_removes_a_replica_from_answers_and_reap_purges_it(
+    fresh_redis,
+) -> None:
+    index = index_for(fresh_redis, heartbeat_ttl_s=0.3)
+    for rid in ("alive", "silent"):
+        index.register(rid, "e1")
+        index.publish(rid, "e1", H[:3])
+    deadline = time.monotonic() + 0.6
+    while time.monotonic() < deadline:
+        assert index.heartbeat("alive", "e1")
+        time.sleep(0.05)
+    assert index.query(H[:3]) == {"alive": 3}
+    assert set(index.live_replicas()) == {"alive"}
+    assert index.reap() == 1
+    assert index.replica_blocks("silent") == set()
+    client = redis.Redis.from_url(fresh_redis.url)
+    assert client.smembers(f"{index.namespace}:b:".encode() + H[0]) == {b"alive"}
+
+
+def test_a_new_epoch_purges_the_old_entries_and_fences_the_old_writer(fresh_redis) -> None:
+    index = index_for(fresh_redis)
+    index.register("r", "old")
+    index.publish("r", "old", H[:5])
+    assert index.register("r", "new") == 5  # purged
+    assert index.replica_blocks("r") == set()
+    assert index.query(H[:5]) == {"r": 0}
+    with pytest.raises(StaleEpochError):
+        index.publish("r", "old", H[:5])
+    assert not index.heartbeat("r", "old")
+    assert index.register("r", "new") == 0  # same epoch again: nothing purged
+
+
+def test_deregistration_purges(fresh_redis) -> None:
+    index = index_for(fresh_redis)
+    index.register("r", "e")
+    index.publish("r", "e", H)
+    index.deregister("r", "e")
+    assert index.query(H) == {}
+    assert index.replica_blocks("r") == set()
+    client = redis.Redis.from_url(fresh_redis.url)
+    assert client.keys(f"{index.namespace}*".encode()) == []
+
+
+def test_namespaces_isolate_two_clusters_on_one_redis(fresh_redis) -> None:
+    blue = index_for(fresh_redis, cluster="blue")
+    green = index_for(fresh_redis, cluster="green")
+    other_model = BlockIndex(IndexConfig(url=fresh_redis.url, cluster="blue"), "other-model")
+    blue.register("r1", "e")
+    blue.publish("r1", "e", H[:3])
+    green.register("r1", "e")
+    green.publish("r1", "e", H[:1])
+    assert blue.query(H[:3]) == {"r1": 3}
+    assert green.query(H[:3]) == {"r1": 1}
+    assert other_model.query(H[:3]) == {}
+    green.deregister("r1", "e")
+    assert blue.query(H[:3]) == {"r1": 3}
+
+
+def test_the_index_equals_the_engine_cached_set_through_evictions(fresh_redis) -> None:
+    engine = Engine(EngineConfig(num_blocks=48))
+    index = index_for(fresh_redis)
+    publisher = IndexPublisher(index, "replica-0").start()
+    engine.subscribe(publisher.on_events)
+    steps_with_events = 0
+    for seed in range(5):
+        before = engine.stats().steps
+        engine.generate(prompts(6, seed), SamplingParams(max_tokens=20, ignore_eos=True))
+        steps_with_events += engine.stats().steps - before
+        assert publisher.wait_in_sync(5.0)
+        assert index.replica_blocks("replica-0") == engine.cached_block_hashes()
+    assert engine.stats().evictions > 0
+    # one round trip per step at most, however many blocks changed
+    c = publisher.counters
+    assert c.batches + c.resyncs <= steps_with_events + 1
+    # the router's view: the replica holds the full cached prefix of a prompt it served
+    chain = engine.hasher.chain(prompts(6, 4)[0])
+    expected = len(engine.block_manager.prefix_cache.lookup(prompts(6, 4)[0]))
+    assert index.query(chain) == {"replica-0": expected}
+    publisher.close()
+    assert index.query(chain) == {}
+
+
+def test_killing_redis_never_stops_the_engine_and_a_resync_repairs_the_index(
+    fresh_redis,
+) -> None:
+    engine = Engine(EngineConfig(num_blocks=48))
+    index = index_for(fresh_redis, retry_after_s=0.1)
+    publisher = IndexPublisher(index, "replica-0").start()
+    engine.subscribe(publisher.on_events)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    engine.generate(prompts(6, 0), params)
+    assert publisher.wait_in_sync(5.0)
+
+    fresh_redis.stop()
+    t0 = time.monotonic()
+    outs = engine.generate(prompts(6, 1), params)  # evicts and publishes while Redis is gone
+    assert all(len(o.token_ids) == 16 for o in outs)
+    assert index.query(engine.hasher.chain(prompts(6, 1)[0])) is None  # unknown, not an error
+    assert time.monotonic() - t0 < 30
+    deadline = time.monotonic() + 5
+    while publisher.counters.failures == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert publisher.counters.failures > 0
+    assert not publisher.in_sync
+
+    fresh_redis.start()  # empty: every entry and the registration are gone
+    assert publisher.wait_in_sync(10.0)
+    assert index.replica_blocks("replica-0") == engine.cached_block_hashes()
+    assert publisher.counters.resyncs >= 2
+    assert publisher.counters.registrations >= 2
+    publisher.close()
+
+
+def test_queries_answer_unknown_quickly_when_redis_is_down_or_slow(fresh_redis) -> None:
+    index = index_for(fresh_redis, timeout_s=0.05, retry_after_s=0.5)
+    index.register("r", "e")
+    index.publish("r", "e", H[:2])
+
+    def debug_sleep() -> None:
+        redis.Redis.from_url(fresh_redis.url).execute_command("DEBUG", "SLEEP", "0.6")
+
+    sleeper = threading.Thread(target=debug_sleep)
+    sleeper.start()
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    assert index.query(H[:2]) is None  # slow: times out
+    assert time.monotonic() - t0 < 0.3
+    t0 = time.monotonic()
+    assert index.query(H[:2]) is None  # within retry_after_s: not even asked
+    assert time.monotonic() - t0 < 0.01
+    sleeper.join()
+    assert index.counters.query_failures == 1
+    assert index.counters.queries_skipped == 1
+    time.sleep(0.5)
+    assert index.query(H[:2]) == {"r": 2}
+
+    fresh_redis.stop()
+    down = index_for(fresh_redis)
+    t0 = time.monotonic()
+    assert down.query(H[:2]) is None  # down: connection refused
+    assert time.monotonic() - t0 < 0.3
+    assert down.counters.query_failures == 1
+
+
+def test_a_keyed_index_stores_only_keyed_hashes(fresh_redis) -> None:
+    engine = Engine(EngineConfig(hash_secret="cluster-secret"))
+    index = index_for(fresh_redis)
+    publisher = IndexPublisher(index, "replica-0").start()
+    engine.subscribe(publisher.on_events)
+    batch = prompts(3, 9)
+    engine.generate(batch, SamplingParams(max_tokens=4))
+    assert publisher.wait_in_sync(5.0)
+    stored = index.replica_blocks("replica-0")
+    assert stored
+    unkeyed = BlockHasher(16, MODEL)
+    guesses = {h for p in batch for h in unkeyed.chain(p)}
+    client = redis.Redis.from_url(fresh_redis.url)
+    keys = set(client.keys(b"*"))
+    assert stored.isdisjoint(guesses)
+    assert not any(k.endswith(g) for k in keys for g in guesses)
+    assert index.query(unkeyed.chain(batch[0])) == {"replica-0": 0}
+    publisher.close()
