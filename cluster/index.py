@@ -103,37 +103,29 @@ return redis.call('SCARD', rkey)
 )
 
 # ARGV: ns, hashes... Returns {rid, length, ...} for every live replica, where length is the
-# number of leading hashes it holds (stopping at its first miss).
+# number of leading hashes it holds (stopping at its first miss). Each replica's own block set
+# is probed with SMISMEMBER in chunks that grow, so a short match costs one small call.
 _QUERY = """
 local ns = ARGV[1]
+local n = #ARGV - 1
 local reg = redis.call('HGETALL', ns .. ':replicas')
-local alive, out, n_alive = {}, {}, 0
-for i = 1, #reg, 2 do
-  if redis.call('GET', ns .. ':hb:' .. reg[i]) == reg[i + 1] then
-    alive[reg[i]] = true
-    n_alive = n_alive + 1
-    out[reg[i]] = #ARGV - 1
-  end
-end
-local pos = 1
-while n_alive > 0 and pos < #ARGV do
-  local holders = {}
-  for _, rid in ipairs(redis.call('SMEMBERS', ns .. ':b:' .. ARGV[pos + 1])) do
-    holders[rid] = true
-  end
-  for rid in pairs(alive) do
-    if not holders[rid] then
-      alive[rid] = nil
-      n_alive = n_alive - 1
-      out[rid] = pos - 1
-    end
-  end
-  pos = pos + 1
-end
 local flat = {}
-for rid, len in pairs(out) do
-  flat[#flat + 1] = rid
-  flat[#flat + 1] = len
+for i = 1, #reg, 2 do
+  local rid = reg[i]
+  if redis.call('GET', ns .. ':hb:' .. rid) == reg[i + 1] then
+    local rkey, held, first, size = ns .. ':r:' .. rid, 0, 1, 8
+    while first <= n do
+      local last = math.min(first + size - 1, n)
+      local found = redis.call('SMISMEMBER', rkey, unpack(ARGV, first + 1, last + 1))
+      local run = 0
+      while run < #found and found[run + 1] == 1 do run = run + 1 end
+      held = held + run
+      if run < #found then break end
+      first, size = last + 1, math.min(size * 4, 1024)
+    end
+    flat[#flat + 1] = rid
+    flat[#flat + 1] = held
+  end
 end
 return flat
 """

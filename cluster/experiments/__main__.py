@@ -7,10 +7,11 @@ import json
 import sys
 from pathlib import Path
 
-from cluster.experiments import engine_bench
+from cluster.experiments import engine_bench, index_bench
 
 EXPERIMENTS = {
     "engine": (engine_bench, "prefix cache off vs on on one trace, one engine"),
+    "index": (index_bench, "Redis index query latency, publish throughput, memory"),
 }
 
 
