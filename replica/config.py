@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from replica.tokenizer import ByteTokenizer
+from router.hashing import BlockHasher
 
 
 class ModelConfig(BaseModel):
@@ -95,3 +96,7 @@ class EngineConfig(BaseModel):
         if self.max_model_len > self.model.max_position:
             raise ValueError("max_model_len exceeds the model's max_position")
         return self
+
+    def block_hasher(self) -> BlockHasher:
+        """The hash chain of this engine's cache; the router must use the same one."""
+        return BlockHasher(self.block_size, self.model_id, (self.hash_secret or "").encode())

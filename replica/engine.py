@@ -15,13 +15,13 @@ from replica.config import EngineConfig, ModelConfig
 from replica.metrics import EngineMetrics, EngineStats, percentile
 from replica.model_runner import ModelRunner
 from replica.prefix_cache import CacheEvents
+from replica.protocol import InvalidRequestError
 from replica.sampler import Sampler
 from replica.sampling_params import SamplingParams
 from replica.scheduler import Scheduler
 from replica.sequence import Sequence as Seq
 from replica.sequence import SequenceStatus
 from replica.tokenizer import ByteTokenizer
-from router.hashing import BlockHasher
 
 __all__ = [
     "CacheEvents",
@@ -32,10 +32,6 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
 ]
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine can never serve (the message says why); nothing was changed."""
 
 
 @dataclass(frozen=True)
@@ -61,9 +57,7 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         self.tokenizer = ByteTokenizer()
-        self.hasher = BlockHasher(
-            config.block_size, config.model_id, (config.hash_secret or "").encode()
-        )
+        self.hasher = config.block_hasher()
         self.block_manager = BlockManager(
             config.num_blocks, config.block_size, self.hasher, config.enable_prefix_cache
         )

@@ -68,6 +68,25 @@ class BlockHasher:
             raise ValueError("only full blocks have a hash")
         return self.chain(block_tokens, parent=parent)[0]
 
+    def affinity_key(
+        self,
+        token_ids: Sequence[int],
+        num_blocks: int,
+        cache_salt: str | None = None,
+        chain: Sequence[bytes] | None = None,
+    ) -> bytes:
+        """The routing key of a prompt: the hash of its first ``num_blocks`` full blocks.
+
+        ``chain`` may pass the prompt's chain if the caller has it. A prompt shorter than one
+        block uses what it has: a digest of its partial block under the same root.
+        """
+        if len(token_ids) >= self.block_size:
+            if chain is None:
+                chain = self.chain(token_ids[: num_blocks * self.block_size], cache_salt)
+            return chain[min(num_blocks, len(chain)) - 1]
+        partial = b"partial" + _encode_tokens(token_ids)
+        return _digest(self.root(cache_salt) + partial, self.secret)
+
     def chain(
         self,
         token_ids: Sequence[int],

@@ -1,0 +1,56 @@
+"""The Serve application: ``serve run deploy/config.yaml`` calls ``build_app(args)``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from cluster.config import ClusterArgs
+from cluster.ingress import Ingress
+from replica.deployment import EngineReplica
+
+# Ray's own prefix router, a peer the experiments compare against (ships inside `ray`).
+RAY_PREFIX_ROUTER = (
+    "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:"
+    "PrefixCacheAffinityRouter"
+)
+
+
+def request_router_config(args: ClusterArgs) -> RequestRouterConfig:
+    """The engine deployment's router: ours for our policies, else one of Ray's."""
+    routing = args.routing
+    period = {"request_routing_stats_period_s": routing.stats_period_s}
+    if routing.policy == "ray_default":
+        return RequestRouterConfig(**period)
+    if routing.policy == "ray_prefix":
+        return RequestRouterConfig(request_router_class=RAY_PREFIX_ROUTER, **period)
+    kwargs = {
+        "policy": routing.policy,
+        "epsilon": routing.epsilon,
+        "load_cost_tokens": routing.load_cost_tokens,
+        "model_id": args.engine.model_id,
+        "block_size": args.engine.block_size,
+        "index": args.index.model_dump(),
+    }
+    return RequestRouterConfig(
+        request_router_class="router.serve_router:PrefixAwareRequestRouter",
+        request_router_kwargs=kwargs,
+        **period,
+    )
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Ingress plus ``num_replicas`` engine replicas behind the configured router."""
+    cluster = ClusterArgs.model_validate(args)
+    engine = EngineReplica.options(
+        num_replicas=cluster.num_replicas,
+        max_ongoing_requests=cluster.max_ongoing_requests,
+        max_queued_requests=cluster.max_queued_requests,
+        ray_actor_options={"num_cpus": cluster.replica_num_cpus},
+        request_router_config=request_router_config(cluster),
+    ).bind(cluster.model_dump())
+    return Ingress.options(ray_actor_options={"num_cpus": cluster.ingress_num_cpus}).bind(
+        engine, cluster.model_dump()
+    )

@@ -1,0 +1,15 @@
+"""Prometheus metrics of the HTTP API, exported at the ingress's ``/metrics``."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+REQUESTS = Counter("prefix_serve_requests", "HTTP API requests by status", ["endpoint", "status"])
+PROMPT_TOKENS = Counter("prefix_serve_prompt_tokens", "Prompt tokens served")
+CACHED_TOKENS = Counter("prefix_serve_cached_prompt_tokens", "Prompt tokens served from cache")
+COMPLETION_TOKENS = Counter("prefix_serve_completion_tokens", "Generated tokens")
+TTFT = Histogram(
+    "prefix_serve_ttft_seconds",
+    "Time from request to first token, at the ingress",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)

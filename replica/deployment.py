@@ -1,0 +1,160 @@
+"""``EngineReplica``: the Ray Serve deployment that runs one engine.
+
+One background task steps the engine; every engine call runs on one dedicated thread, so the
+engine itself needs no locks and the replica's event loop never blocks on a forward pass.
+Requests stream their tokens back as the steps produce them. The replica feeds its block
+events to the Redis index (a background publisher thread, never in the step's way),
+heartbeats there, and deregisters on shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ray import serve
+
+from cluster.config import ClusterArgs
+from cluster.index import BlockIndex
+from cluster.index_publisher import IndexPublisher
+from replica.engine import Engine, RequestOutput
+from replica.protocol import EngineChunk, EngineRequest
+
+log = logging.getLogger("ray.serve")
+
+
+class EngineFailedError(RuntimeError):
+    """The engine loop crashed; the replica reports unhealthy and Serve replaces it."""
+
+
+@serve.deployment(max_ongoing_requests=32)
+class EngineReplica:
+    def __init__(self, args: dict[str, Any] | ClusterArgs) -> None:
+        self.args = ClusterArgs.model_validate(args)
+        self.engine = Engine(self.args.engine)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.publisher = IndexPublisher(
+            BlockIndex(self.args.index, self.args.engine.model_id), self.replica_id
+        ).start()
+        self.engine.subscribe(self.publisher.on_events)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._streams: dict[str, asyncio.Queue[EngineChunk | BaseException]] = {}
+        self._queued_prefill_tokens = 0
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._failure: BaseException | None = None
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        """Stream a request's tokens. Raises ``InvalidRequestError`` before the first chunk
+        if the engine can never serve it; a cancelled stream aborts the request."""
+        self._start_loop()
+        if self._failure is not None:
+            raise EngineFailedError("the engine loop failed") from self._failure
+        loop = asyncio.get_running_loop()
+        rid = request.request_id
+        await loop.run_in_executor(
+            self._executor,
+            self.engine.add_request,
+            rid,
+            request.prompt_token_ids,
+            request.params,
+            request.cache_salt,
+        )
+        queue: asyncio.Queue[EngineChunk | BaseException] = asyncio.Queue()
+        self._streams[rid] = queue
+        prefill = len(request.prompt_token_ids)
+        self._queued_prefill_tokens += prefill
+        assert self._wakeup is not None
+        self._wakeup.set()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineFailedError("the engine loop failed") from item
+                if prefill:
+                    self._queued_prefill_tokens -= prefill
+                    prefill = 0
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(rid, None)
+            self._queued_prefill_tokens -= prefill
+            if not finished:  # cancelled or disconnected: free its blocks (not awaited)
+                loop.run_in_executor(self._executor, self.engine.abort_request, rid)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Load and cache counters for the request router (plain ints read without locks)."""
+        engine, m = self.engine, self.engine.metrics
+        alloc = engine.block_manager.allocator
+        return {
+            "replica_id": self.replica_id,
+            "in_flight": len(self._streams),
+            "queued_prefill_tokens": self._queued_prefill_tokens,
+            "running": len(engine.scheduler.running),
+            "waiting": len(engine.scheduler.waiting),
+            "blocks_total": alloc.num_blocks,
+            "blocks_free": alloc.num_free,
+            "blocks_cached": alloc.num_cached,
+            "blocks_in_use": alloc.num_in_use,
+            "prompt_tokens": m.prompt_tokens,
+            "cached_prompt_tokens": m.cached_prompt_tokens,
+            "hit_rate": m.hit_rate,
+            "finished": m.num_finished,
+            "aborted": m.num_aborted,
+            "preemptions": m.preemptions,
+            "index_in_sync": self.publisher.in_sync,
+            "index_failures": self.publisher.counters.failures,
+            "index_resyncs": self.publisher.counters.resyncs,
+            "epoch": self.publisher.epoch,
+        }
+
+    def check_health(self) -> None:
+        if self._failure is not None:
+            raise EngineFailedError("the engine loop failed") from self._failure
+
+    async def __del__(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        self.publisher.close(deregister=True)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _start_loop(self) -> None:
+        if self._loop_task is None:
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._wakeup is not None
+        while True:
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            try:
+                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+            except Exception as exc:  # a bug: fail every stream now rather than hang them
+                log.exception("engine step failed on replica %s", self.replica_id)
+                self._failure = exc
+                for queue in self._streams.values():
+                    queue.put_nowait(exc)
+                return
+            for out in outputs:
+                queue = self._streams.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(self._chunk(out))
+
+    def _chunk(self, out: RequestOutput) -> EngineChunk:
+        return EngineChunk(
+            request_id=out.request_id,
+            token_ids=out.new_token_ids,
+            finished=out.finished,
+            finish_reason=out.finish_reason,
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_cached_tokens=out.num_cached_tokens,
+            replica_id=self.replica_id,
+        )

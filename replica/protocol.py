@@ -1,0 +1,38 @@
+"""What the ingress sends an engine replica and what it streams back (no torch, no Ray)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from replica.sampling_params import SamplingParams
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine can never serve (the message says why); nothing was changed."""
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One tokenized request. The ingress hashes the prompt once; the request router reads
+    ``block_hashes`` and ``affinity_key`` (and Ray's own prefix router reads ``prompt``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    block_hashes: list[bytes]
+    affinity_key: bytes
+    cache_salt: str | None = None
+    prompt: str = ""
+
+
+@dataclass(frozen=True)
+class EngineChunk:
+    """Tokens new since the last chunk; the last chunk has ``finished`` set."""
+
+    request_id: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    replica_id: str

@@ -1,0 +1,169 @@
+"""Routing policies as plain Python: used by the Ray Serve router and by the simulator.
+
+A policy ranks the live replicas for one request, best first. The caller tries them in that
+order, so a full first choice spills over to the next instead of queueing forever.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RoutingRequest:
+    """What a policy may know about a request: its block hash chain, nothing else."""
+
+    block_hashes: Sequence[bytes]  # full prompt blocks, from router.hashing
+    affinity_key: bytes  # BlockHasher.affinity_key: the first K blocks (or the partial block)
+    num_prompt_tokens: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """A live replica and its load as the router sees it, now: requests routed to it and
+    not finished. (Replicas also report queued prefill tokens and free blocks, but those
+    reach the router a stats period late, and a stale queue misroutes: see README.)"""
+
+    replica_id: str
+    in_flight: int = 0
+
+
+class RoutingPolicy(abc.ABC):
+    """Ranks replicas for a request. ``index_answer`` maps replica id to the number of
+    leading blocks of the request's chain it holds, or is None when the index is unknown."""
+
+    name: str
+
+    @abc.abstractmethod
+    def rank(
+        self,
+        request: RoutingRequest,
+        replicas: Sequence[ReplicaLoad],
+        index_answer: Mapping[str, int] | None = None,
+    ) -> list[str]:
+        """Every replica id exactly once, the preferred first."""
+
+
+def rendezvous_order(key: bytes, replica_ids: Sequence[str]) -> list[str]:
+    """Highest-random-weight order of replicas for a key.
+
+    Stable across processes (BLAKE2b, never ``hash()``). Adding or removing one of N
+    replicas moves only the keys whose first choice it is or becomes: about 1/N of them.
+    """
+
+    def weight(rid: str) -> bytes:
+        return hashlib.blake2b(key + b"\x00" + rid.encode(), digest_size=8).digest()
+
+    return sorted(replica_ids, key=weight, reverse=True)
+
+
+def overloaded(replicas: Sequence[ReplicaLoad], epsilon: float) -> set[str]:
+    """Replicas that may not take one more request under a bound of (1 + epsilon) x mean.
+
+    The bound counts the new request (consistent hashing with bounded loads), so with the
+    default epsilon a hot key fills its replica to 1.25 x the mean and then spills over.
+    """
+    if not replicas:
+        return set()
+    total = sum(r.in_flight for r in replicas) + 1
+    capacity = math.ceil((1 + epsilon) * total / len(replicas))
+    return {r.replica_id for r in replicas if r.in_flight + 1 > capacity}
+
+
+class RoundRobin(RoutingPolicy):
+    """The baseline: each request to the next replica in turn."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def rank(
+        self,
+        request: RoutingRequest,
+        replicas: Sequence[ReplicaLoad],
+        index_answer: Mapping[str, int] | None = None,
+    ) -> list[str]:
+        ids = sorted(r.replica_id for r in replicas)
+        if not ids:
+            return []
+        start = next(self._counter) % len(ids)
+        return ids[start:] + ids[:start]
+
+
+class PrefixAffinity(RoutingPolicy):
+    """Rendezvous hashing on the first K prompt blocks, with bounded load.
+
+    Requests that share their first K blocks (a system prompt) go to the same replica unless
+    it is above (1 + epsilon) x the mean load; then to the next in rendezvous order, so one
+    hot prompt spreads over a stable, small set of replicas instead of swamping one.
+    """
+
+    name = "prefix_affinity"
+
+    def __init__(self, epsilon: float = 0.25) -> None:
+        self.epsilon = epsilon
+
+    def rank(
+        self,
+        request: RoutingRequest,
+        replicas: Sequence[ReplicaLoad],
+        index_answer: Mapping[str, int] | None = None,
+    ) -> list[str]:
+        order = rendezvous_order(request.affinity_key, [r.replica_id for r in replicas])
+        full = overloaded(replicas, self.epsilon)
+        return [r for r in order if r not in full] + [r for r in order if r in full]
+
+
+class CacheAware(RoutingPolicy):
+    """Lowest estimated cost, where cost = prefill tokens left after the cache credit plus
+    queued work, from the index's answer of how much of this prompt each replica holds.
+
+    Queued work is ``load_cost_tokens`` per request in flight on the replica. Replicas over
+    the bounded-load cap go last; ties follow rendezvous order.
+    When the index is unknown, or no replica holds any block of the prompt (a new prefix),
+    this is ``PrefixAffinity``, so the followers of a new prompt land together.
+    """
+
+    name = "cache_aware"
+
+    def __init__(self, epsilon: float = 0.25, load_cost_tokens: int = 256) -> None:
+        self.affinity = PrefixAffinity(epsilon)
+        self.epsilon = epsilon
+        self.load_cost_tokens = load_cost_tokens
+
+    def rank(
+        self,
+        request: RoutingRequest,
+        replicas: Sequence[ReplicaLoad],
+        index_answer: Mapping[str, int] | None = None,
+    ) -> list[str]:
+        base = self.affinity.rank(request, replicas)
+        if not index_answer or not any(index_answer.get(r.replica_id, 0) for r in replicas):
+            return base
+        position = {rid: i for i, rid in enumerate(base)}
+        full = overloaded(replicas, self.epsilon)
+        usable = (request.num_prompt_tokens - 1) // request.block_size * request.block_size
+
+        def cost(r: ReplicaLoad) -> tuple[bool, int, int]:
+            cached = min(index_answer.get(r.replica_id, 0) * request.block_size, usable)
+            work = request.num_prompt_tokens - cached + self.load_cost_tokens * r.in_flight
+            return r.replica_id in full, work, position[r.replica_id]
+
+        return [r.replica_id for r in sorted(replicas, key=cost)]
+
+
+def make_policy(name: str, epsilon: float = 0.25, load_cost_tokens: int = 256) -> RoutingPolicy:
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "prefix_affinity":
+        return PrefixAffinity(epsilon)
+    if name == "cache_aware":
+        return CacheAware(epsilon, load_cost_tokens)
+    raise ValueError(f"unknown routing policy {name!r}")
