@@ -30,6 +30,7 @@ def request_router_config(args: ClusterArgs) -> RequestRouterConfig:
         "policy": routing.policy,
         "epsilon": routing.epsilon,
         "load_cost_tokens": routing.load_cost_tokens,
+        "min_cached_fraction": routing.min_cached_fraction,
         "model_id": args.engine.model_id,
         "block_size": args.engine.block_size,
         "index": args.index.model_dump(),

@@ -44,6 +44,9 @@ class RoutingConfig(BaseModel):
     load_cost_tokens: int = Field(
         256, ge=0, description="cache_aware: cost of one in-flight request, in prompt tokens"
     )
+    min_cached_fraction: float = Field(
+        0.5, ge=0, le=1, description="cache_aware: below this cached share, route by affinity"
+    )
     stats_period_s: float = Field(1.0, gt=0, description="replica stats push period")
 
 

@@ -6,10 +6,11 @@ Every error is an OpenAI error body with the right status; nothing reaches a rep
 the ingress can already tell is invalid.
 """
 
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import ray
@@ -90,26 +91,42 @@ async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
     return APIError(500, "internal error", "server_error").response()
 
 
-async def _first_chunk(stream: DeploymentResponseGenerator) -> EngineChunk:
-    """The first chunk, turning what can go wrong before it into an API error."""
+async def _start(
+    engine: DeploymentHandle, request: EngineRequest
+) -> tuple[DeploymentResponseGenerator, EngineChunk]:
+    """Send a request and wait for its first chunk, turning what can go wrong before it
+    (queue full, invalid for the engine, no replica) into an API error."""
+    stream = engine.generate.remote(request)
     try:
-        return await stream.__anext__()
-    except BackPressureError as exc:
+        return stream, await stream.__anext__()
+    except BaseException as exc:
+        error = _api_error(exc)
+        if error is None:  # cancelled (the client went away): cancel downstream too
+            _cancel(stream)
+            raise
+        raise error from exc
+
+
+def _cancel(stream: DeploymentResponseGenerator) -> None:
+    """Best effort: a stream whose routing failed re-raises that failure on cancel."""
+    with contextlib.suppress(Exception):
         stream.cancel()
-        raise APIError(
+
+
+def _api_error(exc: BaseException) -> APIError | None:
+    if isinstance(exc, BackPressureError):
+        return APIError(
             503,
             "The server is overloaded; retry later",
             "overloaded_error",
             code="overloaded",
             headers={"retry-after": "1"},
-        ) from exc
-    except InvalidRequestError as exc:
-        raise APIError(400, str(exc)) from exc
-    except ray.exceptions.RayError as exc:
-        stream.cancel()
-        raise APIError(
-            503, "No engine replica could serve the request; retry", "server_error"
-        ) from exc
+        )
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc))
+    if isinstance(exc, ray.exceptions.RayError):
+        return APIError(503, "No engine replica could serve the request", "server_error")
+    return None
 
 
 class _Reply:
@@ -170,12 +187,13 @@ class _Reply:
             options = self.request.stream_options
             if options is not None and options.include_usage:
                 yield _sse({**self._envelope(), "choices": [], "usage": self.usage()})
+            yield "data: [DONE]\n\n"
         except ray.exceptions.RayError:
             error = {"message": "the engine replica failed mid-stream", "type": "server_error"}
             yield _sse({"error": error})
-        finally:
-            stream.cancel()
-        yield "data: [DONE]\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # a stop string or a gone client ends the stream early
+            _cancel(stream)
 
     def usage(self) -> dict[str, Any]:
         return {
@@ -223,6 +241,43 @@ class _Reply:
         metrics.COMPLETION_TOKENS.inc(self.completion_tokens)
 
 
+class _Admission:
+    """Requests this ingress has in the engines, capped so overload is refused at the door
+    (503 at once) instead of waiting in a queue: replicas x ``max_ongoing_requests`` plus
+    ``max_queued_requests`` (no cap when that is -1)."""
+
+    def __init__(self, args: ClusterArgs) -> None:
+        queued = args.max_queued_requests
+        slots = args.num_replicas * args.max_ongoing_requests
+        self.limit = None if queued < 0 else slots + queued
+        self.in_flight = 0
+
+    def enter(self) -> None:
+        if self.limit is not None and self.in_flight >= self.limit:
+            raise _api_error(BackPressureError(self.in_flight, self.limit))
+        self.in_flight += 1
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+
+
+class _ReleasingStreamingResponse(StreamingResponse):
+    """Releases the admission slot once the stream is over, whether it ended or the client
+    went away (Starlette always calls the response it was handed)."""
+
+    def __init__(
+        self, content: AsyncIterator[str], release: Callable[[], None], **kwargs: Any
+    ) -> None:
+        super().__init__(content, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
@@ -237,6 +292,7 @@ class Ingress:
         self.hasher = self.args.engine.block_hasher()
         self.model_id = self.args.engine.model_id
         self.started = int(time.time())
+        self.admission = _Admission(self.args)
 
     @app.get("/health")
     async def health(self) -> dict[str, str]:
@@ -249,6 +305,7 @@ class Ingress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
+        router_metrics.STATE.replica_stats()  # refresh the per-replica gauges
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/cluster/stats")
@@ -294,28 +351,41 @@ class Ingress:
         text: str,
         max_tokens: int,
     ) -> JSONResponse | StreamingResponse:
-        start = time.monotonic()
         try:
             engine_request = self._engine_request(body, request, ids, text, max_tokens)
-            stream = self.engine.generate.remote(engine_request)
-            first = await _first_chunk(stream)
+            response = await self._respond(body, kind, engine_request)
         except APIError as exc:
             metrics.REQUESTS.labels(kind, str(exc.status)).inc()
             raise
-        metrics.TTFT.observe(time.monotonic() - start)
-        reply = _Reply(kind, self.model_id, body, len(ids), first)
-        headers = {"x-replica-id": first.replica_id}
-        if body.stream:
-            metrics.REQUESTS.labels(kind, "200").inc()
-            return StreamingResponse(
-                reply.sse(stream), media_type="text/event-stream", headers=headers
-            )
-        try:
-            await reply.collect(stream)
-        finally:
-            stream.cancel()
         metrics.REQUESTS.labels(kind, "200").inc()
-        return JSONResponse(reply.body(), headers=headers)
+        return response
+
+    async def _respond(
+        self, body: CompletionRequest | ChatCompletionRequest, kind: str, request: EngineRequest
+    ) -> JSONResponse | StreamingResponse:
+        """Run a request in the engines, holding an admission slot until its stream is over."""
+        self.admission.enter()
+        release: Callable[[], None] | None = self.admission.leave
+        try:
+            start = time.monotonic()
+            stream, first = await _start(self.engine, request)
+            metrics.TTFT.observe(time.monotonic() - start)
+            reply = _Reply(kind, self.model_id, body, len(request.prompt_token_ids), first)
+            headers = {"x-replica-id": first.replica_id}
+            if body.stream:
+                response = _ReleasingStreamingResponse(
+                    reply.sse(stream), release, media_type="text/event-stream", headers=headers
+                )
+                release = None  # the response releases the slot when it is over
+                return response
+            try:
+                await reply.collect(stream)
+            finally:
+                _cancel(stream)
+            return JSONResponse(reply.body(), headers=headers)
+        finally:
+            if release is not None:
+                release()
 
     def _engine_request(
         self,

@@ -7,6 +7,7 @@ and is reached as ``metrics.STATE``, never imported into the router's namespace.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import Any
 
@@ -41,19 +42,33 @@ REPLICA_GAUGES = {
 
 
 class RouterState:
-    """Per-replica routing stats, requests routed and recent decision times."""
+    """Requests routed, recent decision times, and the live replicas' routing stats (read
+    from the router when asked, as Serve pushes them every stats period)."""
 
     def __init__(self) -> None:
         self.policy = ""
-        self.replica_stats: dict[str, dict[str, Any]] = {}
         self.routed: dict[str, int] = {}
         self.decision_s: deque[float] = deque(maxlen=10_000)
+        self._router: weakref.ref[Any] | None = None
 
-    def record_stats(self, replica_id: str, stats: dict[str, Any]) -> None:
-        self.replica_stats[replica_id] = stats
-        for key, gauge in REPLICA_GAUGES.items():
-            if key in stats:
-                gauge.labels(replica_id).set(stats[key])
+    def attach(self, router: Any) -> None:
+        """The request router whose live replicas to report (held weakly)."""
+        self._router = weakref.ref(router)
+
+    def replica_stats(self) -> dict[str, dict[str, Any]]:
+        """Latest routing stats per live replica; also sets the per-replica gauges."""
+        router = self._router() if self._router is not None else None
+        if router is None:
+            return {}
+        stats = {
+            r.replica_id.unique_id: dict(r.routing_stats or {})
+            for r in router.curr_replicas.values()
+        }
+        for rid, values in stats.items():
+            for key, gauge in REPLICA_GAUGES.items():
+                if key in values:
+                    gauge.labels(rid).set(values[key])
+        return stats
 
     def record_decision(self, seconds: float) -> None:
         self.decision_s.append(seconds)
@@ -63,15 +78,11 @@ class RouterState:
         self.routed[replica_id] = self.routed.get(replica_id, 0) + 1
         ROUTED.labels(replica_id, self.policy).inc()
 
-    def keep_only(self, live: set[str]) -> None:
-        for rid in set(self.replica_stats) - live:
-            del self.replica_stats[rid]
-
     def snapshot(self) -> dict[str, Any]:
         return {
             "policy": self.policy,
             "routed": dict(self.routed),
-            "replicas": {rid: dict(s) for rid, s in self.replica_stats.items()},
+            "replicas": self.replica_stats(),
             "decision_p50_s": percentile(self.decision_s, 50),
             "decision_p99_s": percentile(self.decision_s, 99),
         }

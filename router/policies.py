@@ -7,8 +7,8 @@ order, so a full first choice spills over to the next instead of queueing foreve
 from __future__ import annotations
 
 import abc
+import bisect
 import hashlib
-import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +39,9 @@ class RoutingPolicy(abc.ABC):
     leading blocks of the request's chain it holds, or is None when the index is unknown."""
 
     name: str
+
+    def on_routed(self, replica_id: str) -> None:  # noqa: B027 (optional hook)
+        """The request ranked last went to ``replica_id`` (not always the first choice)."""
 
     @abc.abstractmethod
     def rank(
@@ -77,12 +80,19 @@ def overloaded(replicas: Sequence[ReplicaLoad], epsilon: float) -> set[str]:
 
 
 class RoundRobin(RoutingPolicy):
-    """The baseline: each request to the next replica in turn."""
+    """The baseline: each request to the replica after the one the last request went to.
+
+    It advances on placements (``on_routed``), not on rankings, so a caller that asks twice
+    for one request, or spills it over, does not skip a replica.
+    """
 
     name = "round_robin"
 
     def __init__(self) -> None:
-        self._counter = itertools.count()
+        self._last = ""
+
+    def on_routed(self, replica_id: str) -> None:
+        self._last = replica_id
 
     def rank(
         self,
@@ -91,9 +101,7 @@ class RoundRobin(RoutingPolicy):
         index_answer: Mapping[str, int] | None = None,
     ) -> list[str]:
         ids = sorted(r.replica_id for r in replicas)
-        if not ids:
-            return []
-        start = next(self._counter) % len(ids)
+        start = bisect.bisect_right(ids, self._last) % len(ids) if ids else 0
         return ids[start:] + ids[:start]
 
 
@@ -127,16 +135,22 @@ class CacheAware(RoutingPolicy):
 
     Queued work is ``load_cost_tokens`` per request in flight on the replica. Replicas over
     the bounded-load cap go last; ties follow rendezvous order.
-    When the index is unknown, or no replica holds any block of the prompt (a new prefix),
-    this is ``PrefixAffinity``, so the followers of a new prompt land together.
+
+    The cache is only worth steering for when it holds a real part of the prompt: if no
+    replica holds at least ``min_cached_fraction`` of it (a new prompt that shares only a chat
+    template's first blocks, say), or the index is unknown, this is ``PrefixAffinity``, which
+    spreads distinct prompts and lands the followers of a new prompt together.
     """
 
     name = "cache_aware"
 
-    def __init__(self, epsilon: float = 0.25, load_cost_tokens: int = 256) -> None:
+    def __init__(
+        self, epsilon: float = 0.25, load_cost_tokens: int = 256, min_cached_fraction: float = 0.5
+    ) -> None:
         self.affinity = PrefixAffinity(epsilon)
         self.epsilon = epsilon
         self.load_cost_tokens = load_cost_tokens
+        self.min_cached_fraction = min_cached_fraction
 
     def rank(
         self,
@@ -145,25 +159,37 @@ class CacheAware(RoutingPolicy):
         index_answer: Mapping[str, int] | None = None,
     ) -> list[str]:
         base = self.affinity.rank(request, replicas)
-        if not index_answer or not any(index_answer.get(r.replica_id, 0) for r in replicas):
+        if not index_answer:
+            return base
+        usable = (request.num_prompt_tokens - 1) // request.block_size * request.block_size
+
+        def credit(r: ReplicaLoad) -> int:
+            return min(index_answer.get(r.replica_id, 0) * request.block_size, usable)
+
+        best = max((credit(r) for r in replicas), default=0)
+        if best == 0 or best < self.min_cached_fraction * request.num_prompt_tokens:
             return base
         position = {rid: i for i, rid in enumerate(base)}
         full = overloaded(replicas, self.epsilon)
-        usable = (request.num_prompt_tokens - 1) // request.block_size * request.block_size
 
         def cost(r: ReplicaLoad) -> tuple[bool, int, int]:
-            cached = min(index_answer.get(r.replica_id, 0) * request.block_size, usable)
+            cached = credit(r)
             work = request.num_prompt_tokens - cached + self.load_cost_tokens * r.in_flight
             return r.replica_id in full, work, position[r.replica_id]
 
         return [r.replica_id for r in sorted(replicas, key=cost)]
 
 
-def make_policy(name: str, epsilon: float = 0.25, load_cost_tokens: int = 256) -> RoutingPolicy:
+def make_policy(
+    name: str,
+    epsilon: float = 0.25,
+    load_cost_tokens: int = 256,
+    min_cached_fraction: float = 0.5,
+) -> RoutingPolicy:
     if name == "round_robin":
         return RoundRobin()
     if name == "prefix_affinity":
         return PrefixAffinity(epsilon)
     if name == "cache_aware":
-        return CacheAware(epsilon, load_cost_tokens)
+        return CacheAware(epsilon, load_cost_tokens, min_cached_fraction)
     raise ValueError(f"unknown routing policy {name!r}")

@@ -35,11 +35,12 @@ class PrefixAwareRequestRouter(RequestRouter):
         policy: str = "cache_aware",
         epsilon: float = 0.25,
         load_cost_tokens: int = 256,
+        min_cached_fraction: float = 0.5,
         model_id: str = "tiny-llama-6m",
         block_size: int = 16,
         index: dict[str, Any] | None = None,
     ) -> None:
-        self.policy = make_policy(policy, epsilon, load_cost_tokens)
+        self.policy = make_policy(policy, epsilon, load_cost_tokens, min_cached_fraction)
         self.block_size = block_size
         self.index = (
             BlockIndex(IndexConfig.model_validate(index or {}), model_id)
@@ -48,6 +49,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         )
         self._in_flight: dict[str, int] = {}
         metrics.STATE.policy = policy
+        metrics.STATE.attach(self)
 
     async def choose_replicas(
         self,
@@ -74,6 +76,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         super().on_send_request(replica_id)
         rid = replica_id.unique_id
         self._in_flight[rid] = self._in_flight.get(rid, 0) + 1
+        self.policy.on_routed(rid)
         metrics.STATE.record_routed(rid)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
@@ -84,17 +87,9 @@ class PrefixAwareRequestRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._in_flight.pop(replica_id.unique_id, None)
-        metrics.STATE.replica_stats.pop(replica_id.unique_id, None)
-
-    def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        super().update_replicas(replicas)
-        metrics.STATE.keep_only({r.replica_id.unique_id for r in replicas})
 
     def _load(self, replica: RunningReplica) -> ReplicaLoad:
         rid = replica.replica_id.unique_id
-        stats = replica.routing_stats or {}
-        if stats:
-            metrics.STATE.record_stats(rid, stats)
         own = self._in_flight.get(rid, 0)
         cached = self.replica_queue_len_cache.get(replica.replica_id) or 0
         return ReplicaLoad(rid, in_flight=max(own, cached))

@@ -18,7 +18,7 @@ if [ "${1:-install}" = start ]; then
         echo "redis-server already answers on port $port" >&2
     else
         mkdir -p .run
-        redis-server --port "$port" --daemonize yes --save "" --appendonly no \
+        redis-server --port "$port" --bind 127.0.0.1 --daemonize yes --save "" --appendonly no \
             --pidfile "$PWD/.run/redis-$port.pid" --logfile "$PWD/.run/redis-$port.log"
         for _ in $(seq 50); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
         echo "started redis-server on port $port (pid file .run/redis-$port.pid)" >&2

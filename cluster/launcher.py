@@ -1,0 +1,125 @@
+"""Start and stop a real cluster the way a user does: ``serve run`` on a config file.
+
+Used by the end-to-end tests and the routing experiments. The config is written from
+``ClusterArgs``; ``serve run`` starts its own local Ray instance, and SIGTERM stops both.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+import yaml
+
+from cluster.config import ClusterArgs
+from cluster.index import BlockIndex
+from cluster.redis_server import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def serve_config(args: ClusterArgs, port: int, app_name: str = "llm") -> dict[str, Any]:
+    """A ``serve run`` config for one application built by ``cluster.app:build_app``."""
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [
+            {
+                "name": app_name,
+                "route_prefix": "/",
+                "import_path": "cluster.app:build_app",
+                "args": args.model_dump(mode="json", exclude_none=True),
+            }
+        ],
+    }
+
+
+class ServeCluster:
+    """``serve run`` in a subprocess, ready when every engine replica has registered."""
+
+    def __init__(
+        self, args: ClusterArgs, port: int | None = None, log_path: Path | None = None
+    ) -> None:
+        self.args = args
+        self.port = port or free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self._dir = Path(tempfile.mkdtemp(prefix="serve-"))
+        self.log_path = log_path or self._dir / "serve.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 180.0) -> ServeCluster:
+        config = self._dir / "config.yaml"
+        config.write_text(yaml.safe_dump(serve_config(self.args, self.port)))
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+        serve = Path(sys.executable).with_name("serve")
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                [str(serve), "run", str(config)],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """SIGTERM (Serve and the Ray instance it started shut down), SIGKILL if stuck."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait()
+        self._proc = None
+        # the backstop: nothing of this Ray instance may outlive the cluster
+        ray = Path(sys.executable).with_name("ray")
+        subprocess.run([str(ray), "stop", "--force"], capture_output=True, timeout=120)
+
+    def stats(self) -> dict[str, Any]:
+        return httpx.get(f"{self.base_url}/cluster/stats", timeout=10).json()
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        index = BlockIndex(self.args.index, self.args.engine.model_id)
+        while time.monotonic() < deadline:
+            if self._proc is not None and self._proc.poll() is not None:
+                raise RuntimeError(f"serve run exited; see {self.log_path}")
+            try:
+                healthy = httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                healthy = False
+            if healthy and (
+                not index.ping() or len(index.live_replicas()) >= self.args.num_replicas
+            ):
+                index.close()
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"cluster not ready after {timeout_s:.0f} s; see {self.log_path}")
+
+    def __enter__(self) -> ServeCluster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

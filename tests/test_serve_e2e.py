@@ -1,0 +1,262 @@
+"""End to end: `serve run` with real Ray Serve replicas, real Redis, the official openai SDK."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from cluster.config import ClusterArgs, IndexConfig, RoutingConfig
+from cluster.launcher import ServeCluster
+from cluster.redis_server import LocalRedis
+from replica.config import EngineConfig
+
+MODEL = "tiny-llama-6m"
+SYSTEM = "You are a careful assistant for a shipping company. " * 12  # ~640 tokens
+
+
+def cluster_args(redis_url: str, policy: str, **overrides) -> ClusterArgs:
+    return ClusterArgs(
+        num_replicas=2,
+        replica_num_cpus=0.5,
+        ingress_num_cpus=0.1,
+        max_ongoing_requests=4,
+        max_queued_requests=4,
+        engine=EngineConfig(num_threads=1, num_blocks=512, max_model_len=2048),
+        routing=RoutingConfig(policy=policy, stats_period_s=0.5),
+        index=IndexConfig(url=redis_url, cluster="e2e"),
+        **overrides,
+    )
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[LocalRedis]:
+    with LocalRedis() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server: LocalRedis) -> Iterator[ServeCluster]:
+    with ServeCluster(cluster_args(redis_server.url, "cache_aware")) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster: ServeCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def chat(client: openai.OpenAI, system: str, question: str, max_tokens: int = 8, **kw):
+    """A greedy chat request; returns (completion, replica id)."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"ignore_eos": True, **kw.pop("extra_body", {})},
+        **kw,
+    )
+    return raw.parse(), raw.headers["x-replica-id"]
+
+
+def test_chat_and_completions_stream_and_agree_with_non_streaming(client: openai.OpenAI) -> None:
+    whole, _ = chat(client, "Be brief.", "Name a colour.", max_tokens=12)
+    assert whole.object == "chat.completion"
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 12
+    assert whole.usage.prompt_tokens > 0
+
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name a colour."},
+        ],
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content  # greedy: same tokens either way
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+
+    done = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=6, temperature=0)
+    assert done.object == "text_completion" and done.usage.completion_tokens <= 6
+    streamed = client.completions.create(
+        model=MODEL, prompt="Once upon", max_tokens=6, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == done.choices[0].text
+    by_ids = client.completions.create(model=MODEL, prompt=[256, 79, 110, 99, 101], max_tokens=3)
+    assert by_ids.usage.prompt_tokens == 5
+
+
+def test_a_second_request_with_the_same_system_prompt_is_served_from_cache(
+    client: openai.OpenAI,
+) -> None:
+    system = SYSTEM + "Policy 17."
+    first, r1 = chat(client, system, "Where is my parcel?")
+    second, r2 = chat(client, system, "Can I change the address?")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 0.8 * len(system) and cached % 16 == 0
+    assert r1 == r2
+
+
+def test_shared_system_prompts_stick_together_and_distinct_ones_spread(
+    client: openai.OpenAI,
+) -> None:
+    system = SYSTEM + "Tenant A."
+    replicas = {chat(client, system, f"Question {i}?")[1] for i in range(6)}
+    assert len(replicas) == 1
+    spread = {chat(client, f"System prompt number {i}. " * 8, "Hi?")[1] for i in range(12)}
+    assert len(spread) == 2
+
+
+def test_cache_salt_isolates_tenants(client: openai.OpenAI, cluster: ServeCluster) -> None:
+    system = "A system prompt no test sent before, salted or not. " * 12
+    chat(client, system, "One?", extra_body={"cache_salt": "tenant-a"})
+    other, _ = chat(client, system, "Two?", extra_body={"cache_salt": "tenant-b"})
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    unsalted, _ = chat(client, system, "Three?")
+    assert unsalted.usage.prompt_tokens_details.cached_tokens == 0
+    again, _ = chat(client, system, "Four?", extra_headers={"x-cache-salt": "tenant-a"})
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+BAD_INPUTS = [
+    ("/v1/chat/completions", b"{not json", 400, "json_invalid"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, 400, "model"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "role",
+    ),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x" * 2100}, 400, "context_length_exceeded"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 300]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": ["a"] * 5}, 400, "stop"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model_not_found"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "mentions"), BAD_INPUTS)
+def test_bad_input_gets_an_openai_error_and_nothing_breaks(
+    cluster: ServeCluster, client: openai.OpenAI, path: str, body, status: int, mentions: str
+) -> None:
+    url = cluster.base_url + path
+    if isinstance(body, bytes):
+        resp = httpx.post(url, content=body, headers={"content-type": "application/json"})
+    else:
+        resp = httpx.post(url, json=body)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert mentions in f"{error['message']} {error['param']} {error['code']}"
+    assert "Traceback" not in resp.text
+    ok, _ = chat(client, "Still fine?", "Yes?", max_tokens=2)
+    assert ok.usage.completion_tokens == 2
+
+
+def test_overload_is_shed_quickly_and_every_block_comes_back(cluster: ServeCluster) -> None:
+    """2 replicas x 4 slots + 4 queued = 12 admitted; the rest get 503 at the door."""
+    with httpx.Client(base_url=cluster.base_url, timeout=120) as http:
+
+        def call(i: int) -> tuple[int, float, dict]:
+            t0 = time.monotonic()
+            body = {"model": MODEL, "prompt": f"load {i} " * 40, "max_tokens": 200}
+            resp = http.post("/v1/completions", json={**body, "ignore_eos": True})
+            return resp.status_code, time.monotonic() - t0, resp.json()
+
+        with concurrent.futures.ThreadPoolExecutor(40) as pool:
+            results = list(pool.map(call, range(40)))
+    served = [t for s, t, _ in results if s == 200]
+    shed = [(t, body) for s, t, body in results if s == 503]
+    assert len(served) + len(shed) == 40
+    assert 8 <= len(served) <= 12 and shed
+    assert all(body["error"]["code"] == "overloaded" for _, body in shed)
+    # refused at once, not after queueing: faster than any request that was served
+    assert max(t for t, _ in shed) < min(served)
+    assert all(len(b["choices"][0]["text"]) > 0 for s, _, b in results if s == 200)
+    assert_no_leaked_blocks(cluster)
+
+
+def assert_no_leaked_blocks(cluster: ServeCluster, timeout_s: float = 20.0) -> None:
+    """Once idle, every replica's blocks are free or cached: none left in use."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        replicas = cluster.stats()["replicas"]
+        idle = len(replicas) == 2 and all(
+            r["blocks_in_use"] == 0
+            and r["blocks_free"] + r["blocks_cached"] == r["blocks_total"]
+            and r["running"] == r["waiting"] == 0
+            for r in replicas.values()
+        )
+        if idle:
+            return
+        assert time.monotonic() < deadline, replicas
+        time.sleep(0.5)
+
+
+def test_health_models_and_metrics(cluster: ServeCluster, client: openai.OpenAI) -> None:
+    assert httpx.get(f"{cluster.base_url}/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    chat(client, SYSTEM, "metrics?")
+    text = httpx.get(f"{cluster.base_url}/metrics").text
+    for name in (
+        "prefix_serve_ttft_seconds_bucket",
+        "prefix_serve_prompt_tokens_total",
+        "prefix_serve_cached_prompt_tokens_total",
+        "prefix_serve_completion_tokens_total",
+        "prefix_serve_routed_requests_total",
+        "prefix_serve_routing_decision_seconds_bucket",
+        "prefix_serve_replica_hit_rate",
+    ):
+        assert name in text
+    stats = cluster.stats()
+    assert stats["policy"] == "cache_aware"
+    assert sum(stats["routed"].values()) > 0
+
+
+def test_serving_goes_on_with_affinity_while_redis_is_down(
+    cluster: ServeCluster, client: openai.OpenAI, redis_server: LocalRedis
+) -> None:
+    redis_server.stop()
+    try:
+        system = SYSTEM + "Redis is down."
+        replicas = {chat(client, system, f"Q{i}?")[1] for i in range(4)}
+        assert len(replicas) == 1
+        last, _ = chat(client, system, "Cached anyway?")
+        assert last.usage.prompt_tokens_details.cached_tokens > 0  # the engine's own cache
+    finally:
+        redis_server.start()
+    deadline = time.monotonic() + 20
+    while not all(r.get("index_in_sync") for r in cluster.stats()["replicas"].values()):
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+
+
+def test_round_robin_alternates(redis_server: LocalRedis, cluster: ServeCluster) -> None:
+    cluster.stop()  # one cluster at a time on two cores
+    with ServeCluster(cluster_args(redis_server.url, "round_robin")) as rr:
+        rr_client = openai.OpenAI(base_url=f"{rr.base_url}/v1", api_key="x", max_retries=0)
+        order = [chat(rr_client, SYSTEM, f"Q{i}?")[1] for i in range(6)]
+        assert order[0] != order[1]
+        assert order == [order[0], order[1]] * 3
