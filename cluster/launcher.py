@@ -1,7 +1,7 @@
 """Start and stop a real cluster the way a user does: ``serve run`` on a config file.
 
 Used by the end-to-end tests and the routing experiments. The config is written from
-``ClusterArgs``; ``serve run`` starts its own local Ray instance, and SIGTERM stops both.
+``ClusterArgs``; ``serve run`` starts its own local Ray instance, and stopping it stops both.
 """
 
 from __future__ import annotations
@@ -77,16 +77,22 @@ class ServeCluster:
         return self
 
     def stop(self, timeout_s: float = 60.0) -> None:
-        """SIGTERM (Serve and the Ray instance it started shut down), SIGKILL if stuck."""
+        """SIGINT first: ``serve run`` then shuts Serve down gracefully (replicas run their
+        destructors and leave the index). SIGTERM if that hangs (Ray stops, destructors do
+        not run), SIGKILL last."""
         if self._proc is None:
             return
-        if self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGTERM)
+        for sig, wait_s in ((signal.SIGINT, timeout_s), (signal.SIGTERM, 30.0)):
+            if self._proc.poll() is not None:
+                break
+            self._proc.send_signal(sig)
             try:
-                self._proc.wait(timeout=timeout_s)
+                self._proc.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-                self._proc.wait()
+                continue
+        if self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
         self._proc = None
         # the backstop: nothing of this Ray instance may outlive the cluster
         ray = Path(sys.executable).with_name("ray")

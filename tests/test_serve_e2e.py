@@ -9,8 +9,10 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+import redis
 
 from cluster.config import ClusterArgs, IndexConfig, RoutingConfig
+from cluster.index import BlockIndex
 from cluster.launcher import ServeCluster
 from cluster.redis_server import LocalRedis
 from replica.config import EngineConfig
@@ -255,6 +257,10 @@ def test_serving_goes_on_with_affinity_while_redis_is_down(
 
 def test_round_robin_alternates(redis_server: LocalRedis, cluster: ServeCluster) -> None:
     cluster.stop()  # one cluster at a time on two cores
+    # a clean shutdown deregisters every replica and purges its blocks
+    index = BlockIndex(cluster.args.index, MODEL)
+    assert index.live_replicas() == {}
+    assert redis.Redis.from_url(redis_server.url).keys(f"{index.namespace}*".encode()) == []
     with ServeCluster(cluster_args(redis_server.url, "round_robin")) as rr:
         rr_client = openai.OpenAI(base_url=f"{rr.base_url}/v1", api_key="x", max_retries=0)
         order = [chat(rr_client, SYSTEM, f"Q{i}?")[1] for i in range(6)]
