@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from cluster.workloads import TRACES, TraceRequest
 from replica.engine import Engine, EngineConfig, SamplingParams
-from replica.metrics import percentile
+from replica.metrics import EngineMetrics, percentile
 from router.hashing import BlockHasher
 
 
@@ -22,16 +23,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--num-blocks", type=int, default=1024)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="runs per mode, in ABBA order (off on on off)"
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     trace = TRACES[args.trace](num_requests=args.requests, rate=args.rate, seed=args.seed)
     config = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size)
     _warm_up(config)
+    runs: dict[str, list[Run]] = {"cache_off": [], "cache_on": []}
+    for rep in range(args.repeats):
+        order = ["cache_off", "cache_on"] if rep % 2 == 0 else ["cache_on", "cache_off"]
+        for name in order:  # ABBA: a drift over the run (warming caches) hits both alike
+            engine = Engine(config.model_copy(update={"enable_prefix_cache": name == "cache_on"}))
+            runs[name].append(replay(engine, trace))
     result: dict[str, Any] = {"trace": args.trace}
-    for name, enabled in (("cache_off", False), ("cache_on", True)):
-        engine = Engine(config.model_copy(update={"enable_prefix_cache": enabled}))
-        result[name] = replay(engine, trace)
+    for name, mode_runs in runs.items():
+        result[name] = summarize(mode_runs)
     result["conditions"] = {
         "requests": args.requests,
         "rate_per_s": args.rate,
@@ -46,7 +55,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def replay(engine: Engine, trace: list[TraceRequest]) -> dict[str, Any]:
+@dataclass
+class Run:
+    metrics: EngineMetrics
+    duration_s: float
+
+
+def replay(engine: Engine, trace: list[TraceRequest]) -> Run:
     """Drive the engine open-loop: each request is added when its arrival time has passed."""
     tokenizer = engine.tokenizer
     pending = sorted(trace, key=lambda r: r.arrival_s)
@@ -67,19 +82,29 @@ def replay(engine: Engine, trace: list[TraceRequest]) -> dict[str, Any]:
             engine.step()
         elif i < len(pending):
             time.sleep(max(0.0, pending[i].arrival_s - (time.monotonic() - start)))
-    duration = time.monotonic() - start
-    m = engine.metrics
+    return Run(engine.metrics, time.monotonic() - start)
+
+
+def summarize(runs: list[Run]) -> dict[str, Any]:
+    """Counters summed and latency samples pooled over the runs of one mode."""
+    ms = [r.metrics for r in runs]
+    prompt = sum(m.prompt_tokens for m in ms)
+    cached = sum(m.cached_prompt_tokens for m in ms)
+    ttft = [t for m in ms for t in m.ttft_s]
+    itl = [t for m in ms for t in m.itl_s]
+    duration = sum(r.duration_s for r in runs)
     return {
-        "requests": m.num_finished,
-        "prompt_tokens": m.prompt_tokens,
-        "cached_prompt_tokens": m.cached_prompt_tokens,
-        "hit_rate": round(m.hit_rate, 4),
-        "ttft_p50_s": percentile(m.ttft_s, 50),
-        "ttft_p99_s": percentile(m.ttft_s, 99),
-        "itl_p50_s": percentile(m.itl_s, 50),
-        "output_tokens_per_s": m.generation_tokens / duration,
-        "duration_s": duration,
-        "preemptions": m.preemptions,
+        "runs": len(runs),
+        "requests": sum(m.num_finished for m in ms),
+        "prompt_tokens": prompt,
+        "cached_prompt_tokens": cached,
+        "hit_rate": round(cached / prompt, 4) if prompt else 0.0,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "itl_p50_s": percentile(itl, 50),
+        "output_tokens_per_s": sum(m.generation_tokens for m in ms) / duration,
+        "duration_s": duration / len(runs),
+        "preemptions": sum(m.preemptions for m in ms),
     }
 
 
