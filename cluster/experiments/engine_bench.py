@@ -10,14 +10,14 @@ from typing import Any
 
 import torch
 
-from cluster.workloads import TRACES, TraceRequest
+from cluster.workloads import TraceRequest, WorkloadSpec, make_trace
 from replica.engine import Engine, EngineConfig, SamplingParams
 from replica.metrics import EngineMetrics, percentile
 from router.hashing import BlockHasher
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", choices=sorted(TRACES), default="chat")
+    parser.add_argument("--trace", choices=["chat", "random"], default="chat")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second")
     parser.add_argument("--seed", type=int, default=7)
@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    trace = TRACES[args.trace](num_requests=args.requests, rate=args.rate, seed=args.seed)
+    spec = WorkloadSpec(args.trace, num_requests=args.requests, rate=args.rate, seed=args.seed)
+    trace = make_trace(spec)
     config = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size)
     _warm_up(config)
     runs: dict[str, list[Run]] = {"cache_off": [], "cache_on": []}
