@@ -9,6 +9,8 @@ all keys of a namespace share one slot; two clusters or models never share a key
                                   and equals its registered epoch
     {ns}:b:<hash>          SET    replica ids holding the block (hash = 16 raw bytes)
     {ns}:r:<replica>       SET    block hashes the replica holds (to purge without a scan)
+    {ns}:stats:<replica>   STRING the replica's engine counters (JSON), refreshed with the
+                                  heartbeat, for experiments and operators
 
 Only hashes are stored, never tokens or text; with a cluster secret the hashes themselves are
 keyed (``router.hashing``), so reading Redis does not tell whether a guessed prompt is cached.
@@ -21,10 +23,12 @@ write stale entries. Failures never raise out of the query path: ``query`` retur
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 import redis.asyncio
@@ -40,7 +44,7 @@ local function purge(ns, rid)
   local rkey = ns .. ':r:' .. rid
   local blocks = redis.call('SMEMBERS', rkey)
   for _, h in ipairs(blocks) do redis.call('SREM', ns .. ':b:' .. h, rid) end
-  redis.call('DEL', rkey)
+  redis.call('DEL', rkey, ns .. ':stats:' .. rid)
   return #blocks
 end
 """
@@ -72,11 +76,13 @@ return n
 """
 )
 
-# ARGV: ns, rid, epoch, ttl_ms. 1 = refreshed, 0 = not registered with this epoch.
+# ARGV: ns, rid, epoch, ttl_ms, stats json ('' for none). 1 = refreshed, 0 = not
+# registered with this epoch.
 _HEARTBEAT = """
 local ns, rid, epoch = ARGV[1], ARGV[2], ARGV[3]
 if redis.call('HGET', ns .. ':replicas', rid) ~= epoch then return 0 end
 redis.call('SET', ns .. ':hb:' .. rid, epoch, 'PX', ARGV[4])
+if ARGV[5] ~= '' then redis.call('SET', ns .. ':stats:' .. rid, ARGV[5], 'PX', ARGV[4]) end
 return 1
 """
 
@@ -203,9 +209,11 @@ class BlockIndex:
         """Purge a replica's entries and forget it (only if ``epoch`` is still its own)."""
         self._run("deregister", replica_id, epoch)
 
-    def heartbeat(self, replica_id: str, epoch: str) -> bool:
-        """Refresh liveness; False if the replica is not registered with this epoch."""
-        return bool(self._run("heartbeat", replica_id, epoch, self._ttl_ms()))
+    def heartbeat(self, replica_id: str, epoch: str, stats: dict[str, Any] | None = None) -> bool:
+        """Refresh liveness (and the replica's stats); False if the replica is not
+        registered with this epoch."""
+        payload = json.dumps(stats) if stats is not None else ""
+        return bool(self._run("heartbeat", replica_id, epoch, self._ttl_ms(), payload))
 
     def publish(
         self,
@@ -233,6 +241,12 @@ class BlockIndex:
 
     def replica_blocks(self, replica_id: str) -> set[bytes]:
         return set(self._redis.smembers(f"{self.namespace}:r:{replica_id}"))
+
+    def replica_stats(self) -> dict[str, dict[str, Any]]:
+        """The latest stats of every live replica that reports them."""
+        live = list(self.live_replicas())
+        values = self._redis.mget([f"{self.namespace}:stats:{rid}" for rid in live]) if live else []
+        return {rid: json.loads(v) for rid, v in zip(live, values, strict=True) if v is not None}
 
     def live_replicas(self) -> dict[str, str]:
         """Replica id -> epoch, for replicas whose heartbeat is current."""

@@ -6,8 +6,9 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -47,9 +48,11 @@ class IndexPublisher:
         replica_id: str,
         cached: Iterable[bytes] = (),
         epoch: str | None = None,
+        stats: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.index = index
         self.replica_id = replica_id
+        self.stats = stats  # sent with each heartbeat; called on the publisher thread
         self.epoch = epoch or uuid.uuid4().hex  # a new epoch on every engine start
         self.counters = PublisherCounters()
         self._mirror = set(cached)
@@ -182,7 +185,13 @@ class IndexPublisher:
         return self._registered and not (self._resync or self._pending or self._in_flight)
 
     def _heartbeat(self) -> None:
-        if not self.index.heartbeat(self.replica_id, self.epoch):
+        stats = None
+        if self.stats is not None:
+            try:
+                stats = self.stats()
+            except Exception:  # stats are a courtesy; liveness must not depend on them
+                log.exception("replica stats failed")
+        if not self.index.heartbeat(self.replica_id, self.epoch, stats):
             # Redis lost us (restarted empty) or reaped us: register again and resync.
             with self._cond:
                 self._registered = False

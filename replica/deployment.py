@@ -37,8 +37,10 @@ class EngineReplica:
         self.engine = Engine(self.args.engine)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.publisher = IndexPublisher(
-            BlockIndex(self.args.index, self.args.engine.model_id), self.replica_id
-        ).start()
+            BlockIndex(self.args.index, self.args.engine.model_id),
+            self.replica_id,
+            stats=self.record_routing_stats,
+        )
         self.engine.subscribe(self.publisher.on_events)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._streams: dict[str, asyncio.Queue[EngineChunk | BaseException]] = {}
@@ -46,6 +48,7 @@ class EngineReplica:
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
+        self.publisher.start()
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         """Stream a request's tokens. Raises ``InvalidRequestError`` before the first chunk

@@ -53,10 +53,11 @@ def test_an_expired_heartbeat_removes_a_replica_from_answers_and_reap_purges_it(
         index.publish(rid, "e1", H[:3])
     deadline = time.monotonic() + 0.6
     while time.monotonic() < deadline:
-        assert index.heartbeat("alive", "e1")
+        assert index.heartbeat("alive", "e1", stats={"hit_rate": 0.5})
         time.sleep(0.05)
     assert index.query(H[:3]) == {"alive": 3}
     assert set(index.live_replicas()) == {"alive"}
+    assert index.replica_stats() == {"alive": {"hit_rate": 0.5}}
     assert index.reap() == 1
     assert index.replica_blocks("silent") == set()
     client = redis.Redis.from_url(fresh_redis.url)
