@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -95,6 +96,7 @@ class EngineReplica:
         alloc = engine.block_manager.allocator
         return {
             "replica_id": self.replica_id,
+            "time": time.time(),
             "in_flight": len(self._streams),
             "queued_prefill_tokens": self._queued_prefill_tokens,
             "running": len(engine.scheduler.running),

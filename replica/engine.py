@@ -9,6 +9,9 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
+
+import torch
 
 from replica.block_manager import BlockManager
 from replica.config import EngineConfig, ModelConfig
@@ -18,7 +21,7 @@ from replica.prefix_cache import CacheEvents
 from replica.protocol import InvalidRequestError
 from replica.sampler import Sampler
 from replica.sampling_params import SamplingParams
-from replica.scheduler import Scheduler
+from replica.scheduler import ScheduledBatch, Scheduler
 from replica.sequence import Sequence as Seq
 from replica.sequence import SequenceStatus
 from replica.tokenizer import ByteTokenizer
@@ -51,10 +54,25 @@ class RequestOutput:
     num_cached_tokens: int
 
 
-class Engine:
-    """A paged engine with a verified local prefix cache and continuous batching."""
+class Runner(Protocol):
+    """Runs a scheduled batch: next-token logits ([num_seqs, vocab], float32)."""
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor: ...
+
+
+class Engine:
+    """A paged engine with a verified local prefix cache and continuous batching.
+
+    ``runner`` and ``clock`` default to the real model and wall time; the simulator passes a
+    cost model and a virtual clock and so runs this very scheduler, cache and accounting.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        runner: Runner | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config = config or EngineConfig()
         self.tokenizer = ByteTokenizer()
         self.hasher = config.block_hasher()
@@ -64,7 +82,8 @@ class Engine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
-        self.runner = ModelRunner(config)
+        self.runner = runner if runner is not None else ModelRunner(config)
+        self.clock = clock
         self.sampler = Sampler(config.seed)
         self.metrics = EngineMetrics()
         self._seqs: dict[str, Seq] = {}
@@ -90,7 +109,7 @@ class Engine:
             tokens,
             params,
             cache_salt,
-            time.monotonic() if arrival_time is None else arrival_time,
+            self.clock() if arrival_time is None else arrival_time,
         )
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -116,7 +135,7 @@ class Engine:
         outputs = []
         if batch:
             tokens = self.sampler.sample(self.runner.execute(batch), batch.seqs)
-            now = time.monotonic()
+            now = self.clock()
             for seq, n, token in zip(batch.seqs, batch.num_new_tokens, tokens, strict=True):
                 outputs.append(self._advance(seq, n, token, now))
             self.metrics.steps += 1

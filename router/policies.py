@@ -66,17 +66,20 @@ def rendezvous_order(key: bytes, replica_ids: Sequence[str]) -> list[str]:
     return sorted(replica_ids, key=weight, reverse=True)
 
 
-def overloaded(replicas: Sequence[ReplicaLoad], epsilon: float) -> set[str]:
-    """Replicas that may not take one more request under a bound of (1 + epsilon) x mean.
+@dataclass(frozen=True)
+class BoundedLoad:
+    """Consistent hashing with bounded loads: a replica may take one more request while its
+    in-flight count, the new request included, stays within ``ceil((1 + epsilon) x mean)``.
+    A hot key fills its replica to that bound, then spills to its next choice."""
 
-    The bound counts the new request (consistent hashing with bounded loads), so with the
-    default epsilon a hot key fills its replica to 1.25 x the mean and then spills over.
-    """
-    if not replicas:
-        return set()
-    total = sum(r.in_flight for r in replicas) + 1
-    capacity = math.ceil((1 + epsilon) * total / len(replicas))
-    return {r.replica_id for r in replicas if r.in_flight + 1 > capacity}
+    epsilon: float = 0.25
+
+    def overloaded(self, replicas: Sequence[ReplicaLoad]) -> set[str]:
+        if not replicas:
+            return set()
+        mean = (sum(r.in_flight for r in replicas) + 1) / len(replicas)
+        capacity = math.ceil((1 + self.epsilon) * mean)
+        return {r.replica_id for r in replicas if r.in_flight + 1 > capacity}
 
 
 class RoundRobin(RoutingPolicy):
@@ -109,14 +112,14 @@ class PrefixAffinity(RoutingPolicy):
     """Rendezvous hashing on the first K prompt blocks, with bounded load.
 
     Requests that share their first K blocks (a system prompt) go to the same replica unless
-    it is above (1 + epsilon) x the mean load; then to the next in rendezvous order, so one
-    hot prompt spreads over a stable, small set of replicas instead of swamping one.
+    it is over the load bound; then to the next in rendezvous order, so one hot prompt
+    spreads over a stable, small set of replicas instead of swamping one.
     """
 
     name = "prefix_affinity"
 
-    def __init__(self, epsilon: float = 0.25) -> None:
-        self.epsilon = epsilon
+    def __init__(self, bound: BoundedLoad = BoundedLoad()) -> None:
+        self.bound = bound
 
     def rank(
         self,
@@ -125,7 +128,7 @@ class PrefixAffinity(RoutingPolicy):
         index_answer: Mapping[str, int] | None = None,
     ) -> list[str]:
         order = rendezvous_order(request.affinity_key, [r.replica_id for r in replicas])
-        full = overloaded(replicas, self.epsilon)
+        full = self.bound.overloaded(replicas)
         return [r for r in order if r not in full] + [r for r in order if r in full]
 
 
@@ -145,10 +148,13 @@ class CacheAware(RoutingPolicy):
     name = "cache_aware"
 
     def __init__(
-        self, epsilon: float = 0.25, load_cost_tokens: int = 256, min_cached_fraction: float = 0.5
+        self,
+        bound: BoundedLoad = BoundedLoad(),
+        load_cost_tokens: int = 256,
+        min_cached_fraction: float = 0.5,
     ) -> None:
-        self.affinity = PrefixAffinity(epsilon)
-        self.epsilon = epsilon
+        self.affinity = PrefixAffinity(bound)
+        self.bound = bound
         self.load_cost_tokens = load_cost_tokens
         self.min_cached_fraction = min_cached_fraction
 
@@ -170,7 +176,7 @@ class CacheAware(RoutingPolicy):
         if best == 0 or best < self.min_cached_fraction * request.num_prompt_tokens:
             return base
         position = {rid: i for i, rid in enumerate(base)}
-        full = overloaded(replicas, self.epsilon)
+        full = self.bound.overloaded(replicas)
 
         def cost(r: ReplicaLoad) -> tuple[bool, int, int]:
             cached = credit(r)
@@ -182,14 +188,14 @@ class CacheAware(RoutingPolicy):
 
 def make_policy(
     name: str,
-    epsilon: float = 0.25,
+    bound: BoundedLoad = BoundedLoad(),
     load_cost_tokens: int = 256,
     min_cached_fraction: float = 0.5,
 ) -> RoutingPolicy:
     if name == "round_robin":
         return RoundRobin()
     if name == "prefix_affinity":
-        return PrefixAffinity(epsilon)
+        return PrefixAffinity(bound)
     if name == "cache_aware":
-        return CacheAware(epsilon, load_cost_tokens, min_cached_fraction)
+        return CacheAware(bound, load_cost_tokens, min_cached_fraction)
     raise ValueError(f"unknown routing policy {name!r}")

@@ -23,7 +23,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from cluster.config import IndexConfig
 from cluster.index import BlockIndex
 from router import metrics
-from router.policies import ReplicaLoad, RoutingRequest, make_policy
+from router.policies import BoundedLoad, ReplicaLoad, RoutingRequest, make_policy
 
 
 class PrefixAwareRequestRouter(RequestRouter):
@@ -40,7 +40,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         block_size: int = 16,
         index: dict[str, Any] | None = None,
     ) -> None:
-        self.policy = make_policy(policy, epsilon, load_cost_tokens, min_cached_fraction)
+        bound = BoundedLoad(epsilon)
+        self.policy = make_policy(policy, bound, load_cost_tokens, min_cached_fraction)
         self.block_size = block_size
         self.index = (
             BlockIndex(IndexConfig.model_validate(index or {}), model_id)

@@ -6,13 +6,13 @@ import os
 
 from router.hashing import BlockHasher
 from router.policies import (
+    BoundedLoad,
     CacheAware,
     PrefixAffinity,
     ReplicaLoad,
     RoundRobin,
     RoutingRequest,
     make_policy,
-    overloaded,
     rendezvous_order,
 )
 
@@ -56,7 +56,7 @@ def test_prefix_affinity_keeps_a_shared_prompt_together_and_spreads_distinct_one
 
 
 def test_bounded_load_spills_a_hot_key_to_its_next_choice() -> None:
-    policy = PrefixAffinity(epsilon=0.25)
+    policy = PrefixAffinity(BoundedLoad(epsilon=0.25))
     hot = request(3)
     order = policy.rank(hot, loads(0, 0, 0, 0))
     first, second = order[0], order[1]
@@ -70,12 +70,13 @@ def test_bounded_load_spills_a_hot_key_to_its_next_choice() -> None:
     assert second in placed  # spilled
     mean = 40 / 4
     assert max(in_flight.values()) <= 1.25 * mean + 1
-    assert overloaded(loads(10, 0, 0, 0), 0.25) == {"r0"}
-    assert overloaded(loads(1, 1, 1, 1), 0.25) == set()
+    assert BoundedLoad(0.25).overloaded(loads(10, 0, 0, 0)) == {"r0"}
+    assert BoundedLoad(0.25).overloaded(loads(1, 1, 1, 1)) == set()
+    assert BoundedLoad(0.25).overloaded(loads(0, 0)) == set()  # an idle cluster takes any
 
 
 def test_cache_aware_prefers_the_longest_cached_prefix_unless_it_is_overloaded() -> None:
-    policy = CacheAware(epsilon=0.25, load_cost_tokens=64)
+    policy = CacheAware(BoundedLoad(epsilon=0.25), load_cost_tokens=64)
     req = request(5, num_blocks=8)
     answer = {"r0": 2, "r1": 8, "r2": 0, "r3": 5}
     assert policy.rank(req, loads(0, 0, 0, 0), answer)[:2] == ["r1", "r3"]

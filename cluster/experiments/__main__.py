@@ -7,11 +7,13 @@ import json
 import sys
 from pathlib import Path
 
-from cluster.experiments import engine_bench, index_bench
+from cluster.experiments import engine_bench, index_bench, routing, simulate
 
 EXPERIMENTS = {
     "engine": (engine_bench, "prefix cache off vs on on one trace, one engine"),
     "index": (index_bench, "Redis index query latency, publish throughput, memory"),
+    "routing": (routing, "routing policies compared on the real cluster: JSON, Markdown, PNG"),
+    "simulate": (simulate, "the same policies and cache code on simulated replicas"),
 }
 
 
@@ -20,12 +22,12 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="experiment", required=True)
     for name, (module, help_text) in EXPERIMENTS.items():
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--out", type=Path, help="also write the JSON result here")
+        p.add_argument("--out", type=Path, help="where results go (a file, or a folder)")
         module.add_arguments(p)
     args = parser.parse_args(argv)
     result = EXPERIMENTS[args.experiment][0].run(args)
     text = json.dumps(result, default=str)
-    if args.out is not None:
+    if args.out is not None and args.out.suffix == ".json":
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     sys.stdout.write(text + "\n")

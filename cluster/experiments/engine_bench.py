@@ -13,6 +13,7 @@ import torch
 from cluster.workloads import TraceRequest, WorkloadSpec, make_trace
 from replica.engine import Engine, EngineConfig, SamplingParams
 from replica.metrics import EngineMetrics, percentile
+from replica.model_runner import ModelRunner
 from router.hashing import BlockHasher
 
 
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "block_size": args.block_size,
         "num_blocks": args.num_blocks,
-        "model_parameters": Engine(config).runner.num_parameters,
+        "model_parameters": ModelRunner(config).num_parameters,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "hash_4096_tokens_ms": hash_cost_ms(args.block_size),

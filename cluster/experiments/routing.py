@@ -1,0 +1,211 @@
+"""``routing``: policies compared on the real cluster, one trace, one cluster per policy.
+
+For each arrival rate and policy: start ``serve run`` (Ray Serve, engine replicas, the Redis
+index) with that policy, warm it up, replay the trace over HTTP as an outside client
+(streaming), read the engines' own counters from the index, stop the cluster. Writes
+``results.json``, ``results.md`` and PNG plots to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from cluster.config import ClusterArgs, IndexConfig, RoutingConfig
+from cluster.experiments.report import summarize, write_report
+from cluster.index import BlockIndex
+from cluster.launcher import ServeCluster
+from cluster.loadgen import drive, progress_printer
+from cluster.redis_server import LocalRedis
+from cluster.workloads import (
+    WORKLOADS,
+    TraceRequest,
+    WorkloadSpec,
+    load_trace,
+    make_trace,
+    oracle_hit_rate,
+    save_trace,
+)
+from replica.config import EngineConfig
+
+POLICIES = ("round_robin", "prefix_affinity", "cache_aware", "ray_default", "ray_prefix")
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """Trace options shared with the simulator."""
+    parser.add_argument("--workload", choices=WORKLOADS, default="multi_tenant")
+    parser.add_argument("--trace", type=Path, help="replay this JSONL trace instead")
+    parser.add_argument("--requests", type=int, default=120)
+    parser.add_argument("--rates", default="4", help="arrival rates per second, comma-separated")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--tenants", type=int, default=16)
+    parser.add_argument("--zipf", type=float, default=1.1)
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--system-chars", type=int, default=600)
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--replicas", default="2")
+    parser.add_argument("--epsilon", type=float, default=0.25, help="bounded load factor")
+    parser.add_argument(
+        "--num-blocks", type=int, default=256, help="KV blocks per replica (small: contended)"
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser)
+    parser.add_argument("--redis-url", help="use this Redis (default: start a local one)")
+
+
+def traces(args: argparse.Namespace) -> dict[float, list[TraceRequest]]:
+    """One trace per arrival rate (or the given trace file, at its own times)."""
+    if args.trace is not None:
+        return {0.0: load_trace(args.trace)}
+    return {
+        rate: make_trace(
+            WorkloadSpec(
+                args.workload,
+                num_requests=args.requests,
+                rate=rate,
+                seed=args.seed,
+                system_chars=args.system_chars,
+                tenants=args.tenants,
+                zipf=args.zipf,
+                conversations=args.conversations,
+            )
+        )
+        for rate in (float(r) for r in args.rates.split(","))
+    }
+
+
+def section_name(rate: float) -> str:
+    return "trace file" if rate == 0.0 else f"rate {rate:g}/s"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    out = args.out or Path(f"results/routing-{args.workload}")
+    policies = [p for p in args.policies.split(",") if p]
+    engine = EngineConfig(num_threads=1, num_blocks=args.num_blocks)
+    hasher = engine.block_hasher()
+    payload: dict[str, Any] = {
+        "title": f"Routing policies on the real cluster: {args.workload}, {args.replicas} replicas",
+        "workload": vars(args) | {"out": str(out), "trace": str(args.trace)},
+        "runs": {},
+        "oracle": {},
+    }
+    with contextlib.ExitStack() as stack:
+        url = args.redis_url or stack.enter_context(LocalRedis()).url
+        for rate, trace in traces(args).items():
+            section = section_name(rate)
+            out.mkdir(parents=True, exist_ok=True)
+            save_trace(out / f"trace-{section.replace(' ', '_').replace('/', '')}.jsonl", trace)
+            oracle = oracle_hit_rate(trace, hasher)
+            payload["oracle"][section] = oracle
+            payload["runs"][section] = {}
+            for policy in policies:
+                metrics = run_policy(args, policy, trace, url, engine, f"{section} {policy}")
+                if "error" not in metrics:
+                    metrics["oracle_hit_rate"] = oracle
+                payload["runs"][section][policy] = metrics
+    payload["conditions"] = (
+        f"{args.replicas} engine replicas x {args.num_blocks} blocks of {engine.block_size} "
+        f"tokens; {args.requests} requests; seed {args.seed}; measured {time.strftime('%F')}"
+    )
+    payload["sweeps"] = [s for s in (_rate_sweep(payload),) if s is not None]
+    write_report(out, payload)
+    return payload
+
+
+def run_policy(
+    args: argparse.Namespace,
+    policy: str,
+    trace: list[TraceRequest],
+    redis_url: str,
+    engine: EngineConfig,
+    label: str,
+) -> dict[str, Any]:
+    namespace = f"exp-{os.getpid()}-{time.monotonic_ns()}"
+    cluster_args = ClusterArgs(
+        num_replicas=int(args.replicas),
+        engine=engine,
+        max_queued_requests=-1,  # an experiment measures queueing; it does not shed
+        routing=RoutingConfig(policy=policy, epsilon=args.epsilon),
+        index=IndexConfig(url=redis_url, cluster=namespace),
+    )
+    cluster = ServeCluster(cluster_args)
+    try:
+        cluster.start()
+    except Exception as exc:  # a peer that cannot run is reported, not dropped
+        cluster.stop()
+        return {"error": f"cluster did not start ({type(exc).__name__}: {exc})"}
+    try:
+        replicas = int(args.replicas)
+        _warm_up(cluster.base_url, engine.model_id, replicas)
+        index = BlockIndex(cluster_args.index, engine.model_id)
+        before = _fresh_stats(index, replicas)
+        results, makespan = drive(
+            cluster.base_url, engine.model_id, trace, 120.0, progress_printer(label)
+        )
+        after = _fresh_stats(index, replicas, newer_than=time.time())
+        metrics = summarize(results, makespan, sorted(after))
+        prompt = sum(
+            after[r]["prompt_tokens"] - before.get(r, {}).get("prompt_tokens", 0) for r in after
+        )
+        cached = sum(
+            after[r]["cached_prompt_tokens"] - before.get(r, {}).get("cached_prompt_tokens", 0)
+            for r in after
+        )
+        metrics["hit_rate_engine"] = cached / prompt if prompt else 0.0
+        if policy not in ("ray_default", "ray_prefix"):
+            stats = cluster.stats()
+            metrics["decision_p50_ms"] = (stats["decision_p50_s"] or 0) * 1e3
+            metrics["decision_p99_ms"] = (stats["decision_p99_s"] or 0) * 1e3
+        if metrics["requests_ok"] == 0:
+            metrics["error"] = f"no request succeeded: {metrics['errors']}"
+        return metrics
+    finally:
+        cluster.stop()
+
+
+def _warm_up(base_url: str, model: str, replicas: int) -> None:
+    """A few short, unrelated requests, so no replica's first request is the timed one."""
+    for i in range(4 * replicas):
+        body = {"model": model, "prompt": f"warm up {i} {os.urandom(4).hex()}", "max_tokens": 2}
+        httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
+
+
+def _fresh_stats(
+    index: BlockIndex, replicas: int, newer_than: float = 0.0, timeout_s: float = 15.0
+) -> dict[str, dict[str, Any]]:
+    """Every replica's counters, reported after ``newer_than`` (a wall-clock time)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = index.replica_stats()
+        fresh = {r: s for r, s in stats.items() if s.get("time", 0) >= newer_than}
+        if len(fresh) >= replicas or time.monotonic() > deadline:
+            return fresh
+        time.sleep(0.2)
+
+
+def _rate_sweep(payload: dict[str, Any]) -> dict[str, Any] | None:
+    """TTFT p50 against arrival rate, when several rates were run."""
+    sections = [s for s in payload["runs"] if s.startswith("rate ")]
+    if len(sections) < 2:
+        return None
+    series: dict[str, list[tuple[float, float]]] = {}
+    for section in sections:
+        rate = float(section.split()[1].removesuffix("/s"))
+        for policy, m in payload["runs"][section].items():
+            if "error" not in m and m.get("ttft_p50_s") is not None:
+                series.setdefault(policy, []).append((rate, m["ttft_p50_s"]))
+    return {
+        "series": series,
+        "x": "arrival rate (requests/s)",
+        "y": "TTFT p50 (s)",
+        "title": "TTFT vs load",
+        "file": "ttft_vs_rate.png",
+    }

@@ -1,0 +1,123 @@
+"""``simulate``: the routing experiment on simulated replicas (``cluster.simulator``).
+
+Same traces, policies and report as ``routing``; ``--replicas`` may list several counts
+(a sweep of hit rate and load imbalance against cluster size). With ``--per-replica``, the
+request count and arrival rates are per replica, so every cluster size sees the same load
+per replica. ``--calibrate`` measures the real engine first and stores the cost model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from cluster.experiments.report import summarize, write_report
+from cluster.experiments.routing import add_workload_arguments, section_name, traces
+from cluster.simulator import DEFAULT_CALIBRATION, CostModel, Simulation, calibrate
+from cluster.workloads import oracle_hit_rate
+from replica.config import EngineConfig
+from router.policies import BoundedLoad, make_policy
+
+SIMULATED = ("round_robin", "prefix_affinity", "cache_aware")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser)
+    parser.set_defaults(policies=",".join(SIMULATED))
+    parser.add_argument("--per-replica", action="store_true", help="requests and rates per replica")
+    parser.add_argument("--calibrate", action="store_true", help="measure the engine first")
+    parser.add_argument("--cost-model", type=Path, default=DEFAULT_CALIBRATION)
+    parser.add_argument("--max-ongoing-requests", type=int, default=32)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    out = args.out or Path(f"results/simulate-{args.workload}")
+    engine = EngineConfig(num_threads=1, num_blocks=args.num_blocks)
+    if args.calibrate:
+        cost = calibrate(engine)
+        cost.save(args.cost_model)
+    else:
+        cost = CostModel.load(args.cost_model)
+    counts = [int(r) for r in str(args.replicas).split(",")]
+    policies = [p for p in args.policies.split(",") if p]
+    payload: dict[str, Any] = {
+        "title": f"Simulated cluster: {args.workload}",
+        "workload": vars(args) | {"out": str(out)},
+        "cost_model": cost.__dict__,
+        "runs": {},
+        "oracle": {},
+    }
+    started = time.monotonic()
+    for replicas in counts:
+        scaled = args
+        if args.per_replica:
+            rates = ",".join(str(float(r) * replicas) for r in args.rates.split(","))
+            scaled = argparse.Namespace(
+                **vars(args) | {"requests": args.requests * replicas, "rates": rates}
+            )
+        for rate, trace in traces(scaled).items():
+            section = f"{replicas} replicas, {section_name(rate)}"
+            oracle = oracle_hit_rate(trace, engine.block_hasher())
+            payload["oracle"][section] = oracle
+            payload["runs"][section] = {}
+            for policy in policies:
+                if policy not in SIMULATED:
+                    payload["runs"][section][policy] = {
+                        "error": "not simulated: Ray's own routers are not plain-Python policies"
+                    }
+                    continue
+                t0 = time.monotonic()
+                bound = BoundedLoad(args.epsilon)
+                sim = Simulation(
+                    make_policy(policy, bound), replicas, engine, cost, args.max_ongoing_requests
+                )
+                results, makespan = sim.run(trace)
+                metrics = summarize(results, makespan, sorted(sim.replicas))
+                metrics |= {
+                    "hit_rate_engine": sim.engine_hit_rate(),
+                    "oracle_hit_rate": oracle,
+                    "wall_s": time.monotonic() - t0,
+                }
+                payload["runs"][section][policy] = metrics
+    payload["wall_s"] = time.monotonic() - started
+    payload["conditions"] = (
+        f"cost model: {cost.base_s * 1e3:.2f} ms/step + "
+        f"{cost.prefill_token_s * 1e6:.1f} us/prefill token + "
+        f"{cost.decode_seq_s * 1e3:.2f} ms/decoding sequence ({cost.measured}); "
+        f"{args.num_blocks} blocks per replica"
+    )
+    payload["sweeps"] = _replica_sweeps(payload, counts, policies)
+    write_report(out, payload)
+    return payload
+
+
+def _replica_sweeps(
+    payload: dict[str, Any], counts: list[int], policies: list[str]
+) -> list[dict[str, Any]]:
+    if len(counts) < 2:
+        return []
+    sweeps = []
+    for key, label, file in (
+        ("hit_rate_engine", "prompt-token hit rate", "hit_rate_vs_replicas.png"),
+        ("load_imbalance", "load imbalance (max/mean requests)", "imbalance_vs_replicas.png"),
+    ):
+        series: dict[str, list[tuple[float, float]]] = {}
+        for section, runs in payload["runs"].items():
+            replicas = int(section.split()[0])
+            for policy in policies:
+                m = runs.get(policy, {})
+                if "error" not in m and m.get(key) is not None:
+                    series.setdefault(policy, []).append((replicas, m[key]))
+        sweeps.append(
+            {
+                "series": series,
+                "x": "replicas",
+                "y": label,
+                "title": f"{label} vs replicas",
+                "file": file,
+                "log_x": True,
+            }
+        )
+    return sweeps
