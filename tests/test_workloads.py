@@ -1,0 +1,82 @@
+"""Traces: seeded, reproducible, Poisson, Zipf, growing histories, and the oracle hit rate."""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from cluster.workloads import (
+    WORKLOADS,
+    TraceRequest,
+    WorkloadSpec,
+    load_trace,
+    make_trace,
+    oracle_hit_rate,
+    save_trace,
+)
+from router.hashing import BlockHasher
+
+HASHER = BlockHasher(16, "tiny-llama-6m")
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_traces_are_seeded_and_reproducible(workload: str, tmp_path: Path) -> None:
+    spec = WorkloadSpec(workload, num_requests=50)
+    trace = make_trace(spec)
+    assert trace == make_trace(spec)
+    assert trace != make_trace(WorkloadSpec(workload, num_requests=50, seed=8))
+    assert len({r.request_id for r in trace}) == 50
+    assert all(a.arrival_s < b.arrival_s for a, b in itertools.pairwise(trace))
+    save_trace(tmp_path / "t.jsonl", trace)
+    assert load_trace(tmp_path / "t.jsonl") == trace
+
+
+def test_arrivals_are_poisson_at_the_given_rate() -> None:
+    trace = make_trace(WorkloadSpec("random", num_requests=3000, rate=5.0))
+    gaps = [b.arrival_s - a.arrival_s for a, b in itertools.pairwise(trace)]
+    assert statistics.mean(gaps) == pytest.approx(0.2, rel=0.08)
+    assert statistics.stdev(gaps) == pytest.approx(0.2, rel=0.12)  # exponential: sd = mean
+
+
+def test_multi_tenant_popularity_follows_zipf() -> None:
+    trace = make_trace(WorkloadSpec("multi_tenant", num_requests=4000, tenants=50, zipf=1.1))
+    counts = Counter(r.group for r in trace)
+    assert len(counts) <= 50
+    assert counts["tenant-0"] > counts["tenant-1"] > counts["tenant-5"] > counts["tenant-40"]
+    assert counts["tenant-0"] / counts["tenant-9"] == pytest.approx(10**1.1, rel=0.35)
+    flat = Counter(
+        r.group for r in make_trace(WorkloadSpec("multi_tenant", 4000, tenants=4, zipf=0))
+    )
+    assert max(flat.values()) / min(flat.values()) < 1.2
+    # every request of a tenant starts with that tenant's system prompt
+    by_tenant: dict[str, list[TraceRequest]] = {}
+    for r in trace:
+        by_tenant.setdefault(r.group, []).append(r)
+    for reqs in by_tenant.values():
+        head = reqs[0].prompt.split("\n")[0]
+        assert all(r.prompt.startswith(head + "\n") for r in reqs)
+
+
+def test_multi_turn_resends_the_growing_history() -> None:
+    spec = WorkloadSpec("multi_turn", num_requests=300, conversations=4, max_history_chars=1500)
+    trace = make_trace(spec)
+    last: dict[str, str] = {}
+    for r in trace:
+        if r.group in last:
+            assert r.prompt.startswith(last[r.group])
+            assert len(r.prompt) > len(last[r.group])
+        last[r.group] = r.prompt
+    assert len(last) > 4  # long conversations were replaced by new ones
+    assert max(len(r.prompt) for r in trace) < 1500 + 400
+
+
+def test_oracle_hit_rate() -> None:
+    same = TraceRequest("a", 0.0, "x" * 32, 4), TraceRequest("b", 1.0, "x" * 32, 4)
+    # BOS + 32 bytes = 33 tokens: the second prompt reuses (33 - 1) // 16 = 2 blocks
+    assert oracle_hit_rate(same, HASHER) == pytest.approx(32 / 66)
+    assert oracle_hit_rate(make_trace(WorkloadSpec("random", 100)), HASHER) == 0.0
+    assert oracle_hit_rate(make_trace(WorkloadSpec("chat", 100)), HASHER) > 0.8
