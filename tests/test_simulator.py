@@ -21,7 +21,8 @@ def test_every_request_completes_and_the_books_balance() -> None:
     trace = make_trace(WorkloadSpec("multi_tenant", num_requests=150, rate=20, tenants=12))
     for policy in ("round_robin", "prefix_affinity", "cache_aware"):
         sim = simulate(policy, trace)
-        assert all(r.completion_tokens == t.max_tokens for r, t in zip(sim.results, trace, strict=False))
+        done = zip(sim.results, trace, strict=True)
+        assert all(r.completion_tokens == t.max_tokens for r, t in done)
         assert all(r.ttft_s is not None and r.ttft_s > 0 for r in sim.results)
         for replica in sim.replicas.values():
             replica.engine.check_invariants()
