@@ -66,3 +66,6 @@ class ClusterArgs(BaseModel):
     max_tokens_limit: int = Field(1024, gt=0, description="largest max_tokens accepted")
     routing: RoutingConfig = RoutingConfig()
     index: IndexConfig = IndexConfig()
+    api_keys: list[str] = Field(
+        default_factory=list, description="if any, required as 'Bearer <key>' (not /health)"
+    )

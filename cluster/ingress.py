@@ -23,7 +23,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException
 
-from cluster import metrics
+from cluster import auth, metrics
 from cluster.chat_template import render_chat
 from cluster.config import ClusterArgs
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
@@ -34,6 +34,7 @@ from replica.tokenizer import ByteTokenizer
 from router import metrics as router_metrics
 
 app = FastAPI(title="prefix-serve", description="OpenAI-compatible, prefix-aware serving")
+app.middleware("http")(auth.require_api_key)
 # Serve pickles ``Ingress`` by value when it is decorated: helpers are defined above it, and
 # shared state (metrics) is reached through its module, never bound as a global here.
 
@@ -293,6 +294,7 @@ class Ingress:
         self.model_id = self.args.engine.model_id
         self.started = int(time.time())
         self.admission = _Admission(self.args)
+        auth.configure(self.args.api_keys)
 
     @app.get("/health")
     async def health(self) -> dict[str, str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,15 @@ from replica.engine import Engine, RequestOutput
 from replica.protocol import EngineChunk, EngineRequest
 
 log = logging.getLogger("ray.serve")
+
+
+def _rss_mb() -> float | None:
+    """Resident memory of this process (Linux), for the overload and soak reports."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class EngineFailedError(RuntimeError):
@@ -49,6 +59,8 @@ class EngineReplica:
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
+        self._audits = 0
+        self._audit_error: str | None = None
         self.publisher.start()
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
@@ -115,6 +127,10 @@ class EngineReplica:
             "index_failures": self.publisher.counters.failures,
             "index_resyncs": self.publisher.counters.resyncs,
             "epoch": self.publisher.epoch,
+            "pid": os.getpid(),
+            "rss_mb": _rss_mb(),
+            "idle_audits": self._audits,
+            "audit_error": self._audit_error,
         }
 
     def check_health(self) -> None:
@@ -137,8 +153,10 @@ class EngineReplica:
         assert self._wakeup is not None
         while True:
             if not self.engine.has_unfinished_requests():
+                await loop.run_in_executor(self._executor, self._audit)
                 self._wakeup.clear()
-                await self._wakeup.wait()
+                if not self.engine.has_unfinished_requests():
+                    await self._wakeup.wait()
                 continue
             try:
                 outputs = await loop.run_in_executor(self._executor, self.engine.step)
@@ -152,6 +170,17 @@ class EngineReplica:
                 queue = self._streams.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(self._chunk(out))
+
+    def _audit(self) -> None:
+        """Check the block accounting whenever the engine falls idle (on its thread)."""
+        try:
+            self.engine.check_invariants()
+            if self.engine.block_manager.allocator.num_in_use:
+                raise AssertionError("blocks still in use with no request left")
+        except AssertionError as exc:
+            log.error("block accounting broken on replica %s: %s", self.replica_id, exc)
+            self._audit_error = str(exc) or "invariant violated"
+        self._audits += 1
 
     def _chunk(self, out: RequestOutput) -> EngineChunk:
         return EngineChunk(

@@ -8,10 +8,14 @@ import torch
 
 from replica.sequence import Sequence
 
+# Below this temperature, sampling is greedy: dividing by it would overflow the logits.
+MIN_TEMPERATURE = 1e-5
+
 
 class Sampler:
-    """Each sampled request draws from its own generator, seeded by ``params.seed`` or else
-    by the engine seed and the request id, so its tokens do not depend on batch neighbours."""
+    """Each sampled request draws from its own generator, seeded by ``params.seed`` (any
+    integer, taken modulo 2**63) or else by the engine seed and the request id, so its
+    tokens do not depend on batch neighbours."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
@@ -21,7 +25,7 @@ class Sampler:
         """``logits``: [len(seqs), vocab], float32. Returns one token per sequence."""
         tokens = logits.argmax(dim=-1).tolist()
         for row, seq in enumerate(seqs):
-            if seq.params.temperature > 0:
+            if seq.params.temperature >= MIN_TEMPERATURE:
                 tokens[row] = self._draw(logits[row], seq)
         return tokens
 
@@ -35,7 +39,8 @@ class Sampler:
             if seed is None:
                 digest = hashlib.blake2b(f"{self.seed}/{seq.request_id}".encode(), digest_size=8)
                 seed = int.from_bytes(digest.digest(), "little") >> 1
-            gen = self._generators[seq.request_id] = torch.Generator().manual_seed(seed)
+            gen = torch.Generator().manual_seed(seed % 2**63)
+            self._generators[seq.request_id] = gen
         probs = torch.softmax(logits / seq.params.temperature, dim=-1)
         if seq.params.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)

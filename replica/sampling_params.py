@@ -8,9 +8,10 @@ from pydantic import BaseModel, ConfigDict, Field
 class SamplingParams(BaseModel):
     """How to pick each next token and when to stop.
 
-    ``temperature == 0`` is greedy. A request stops at ``max_tokens`` generated tokens, or at
-    EOS or one of ``stop_token_ids`` (unless ``ignore_eos``; stop ids always apply). ``seed``
-    makes a sampled request reproducible on its own, whatever else is in the batch.
+    ``temperature == 0`` (or below 1e-5) is greedy. A request stops at ``max_tokens``
+    generated tokens, or at EOS or one of ``stop_token_ids`` (unless ``ignore_eos``; stop ids
+    always apply). ``seed`` makes a sampled request reproducible on its own, whatever else is
+    in the batch.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -20,7 +20,8 @@ class Tokenizer(Protocol):
 class ByteTokenizer:
     """UTF-8 bytes are tokens 0..255; BOS = 256, EOS = 257.
 
-    ``decode`` skips special tokens and replaces invalid UTF-8.
+    ``encode`` keeps lone surrogates (as their UTF-8-like bytes) rather than failing on
+    them; ``decode`` skips special tokens and replaces invalid UTF-8.
     """
 
     vocab_size = 258
@@ -28,7 +29,7 @@ class ByteTokenizer:
     eos_token_id = 257
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        ids = list(text.encode("utf-8"))
+        ids = list(text.encode("utf-8", errors="surrogatepass"))
         return [self.bos_token_id, *ids] if add_bos else ids
 
     def decode(self, token_ids: list[int]) -> str:

@@ -7,24 +7,35 @@ import json
 import sys
 from pathlib import Path
 
-from cluster.experiments import engine_bench, index_bench, routing, simulate
+from cluster.experiments import engine_bench, faults, index_bench, routing, simulate
 
 EXPERIMENTS = {
     "engine": (engine_bench, "prefix cache off vs on on one trace, one engine"),
     "index": (index_bench, "Redis index query latency, publish throughput, memory"),
     "routing": (routing, "routing policies compared on the real cluster: JSON, Markdown, PNG"),
     "simulate": (simulate, "the same policies and cache code on simulated replicas"),
+    "faults": (faults, "fault, overload and soak scenarios with a JSON and Markdown report"),
 }
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m cluster.experiments")
     sub = parser.add_subparsers(dest="experiment", required=True)
     for name, (module, help_text) in EXPERIMENTS.items():
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--out", type=Path, help="where results go (a file, or a folder)")
         module.add_arguments(p)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def run(argv: list[str]) -> dict:
+    """Run one experiment from command-line arguments; returns its JSON result."""
+    args = build_parser().parse_args(argv)
+    return EXPERIMENTS[args.experiment][0].run(args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     result = EXPERIMENTS[args.experiment][0].run(args)
     text = json.dumps(result, default=str)
     if args.out is not None and args.out.suffix == ".json":

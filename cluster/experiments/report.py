@@ -85,8 +85,9 @@ def markdown(payload: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_report(out: Path, payload: dict[str, Any]) -> None:
-    """``results.json`` (without raw samples), ``results.md`` and the plots."""
+def write_report(out: Path, payload: dict[str, Any]) -> dict[str, Any]:
+    """``results.json`` (without raw samples), ``results.md`` and the plots; returns what
+    ``results.json`` holds."""
     out.mkdir(parents=True, exist_ok=True)
     plot(out, payload)
     slim = json.loads(json.dumps(payload, default=str))
@@ -95,6 +96,7 @@ def write_report(out: Path, payload: dict[str, Any]) -> None:
             m.pop("ttft_samples", None)
     (out / "results.json").write_text(json.dumps(slim, indent=2) + "\n")
     (out / "results.md").write_text(markdown(payload) + "\n")
+    return slim
 
 
 def plot(out: Path, payload: dict[str, Any]) -> None:
@@ -107,7 +109,7 @@ def plot(out: Path, payload: dict[str, Any]) -> None:
         ok = {p: m for p, m in runs.items() if "error" not in m}
         if not ok:
             continue
-        tag = re.sub(r"[^0-9a-z]+", "_", section.lower()).strip("_")
+        tag = slug(section)
         fig, ax = plt.subplots(figsize=(6, 4))
         for policy, m in ok.items():
             xs = m["ttft_samples"]
@@ -151,6 +153,11 @@ def plot(out: Path, payload: dict[str, Any]) -> None:
         ax.legend()
         fig.savefig(out / sweep["file"], dpi=110, bbox_inches="tight")
         plt.close(fig)
+
+
+def slug(section: str) -> str:
+    """A section name as a file name part: ``rate 4/s`` -> ``rate_4_s``."""
+    return re.sub(r"[^0-9a-z]+", "_", section.lower()).strip("_")
 
 
 def _fmt(value: Any) -> str:

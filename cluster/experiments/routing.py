@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from cluster.config import ClusterArgs, IndexConfig, RoutingConfig
-from cluster.experiments.report import summarize, write_report
+from cluster.experiments.report import slug, summarize, write_report
 from cluster.index import BlockIndex
 from cluster.launcher import ServeCluster
 from cluster.loadgen import drive, progress_printer
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for rate, trace in traces(args).items():
             section = section_name(rate)
             out.mkdir(parents=True, exist_ok=True)
-            save_trace(out / f"trace-{section.replace(' ', '_').replace('/', '')}.jsonl", trace)
+            save_trace(out / f"trace-{slug(section)}.jsonl", trace)
             oracle = oracle_hit_rate(trace, hasher)
             payload["oracle"][section] = oracle
             payload["runs"][section] = {}
@@ -116,8 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"tokens; {args.requests} requests; seed {args.seed}; measured {time.strftime('%F')}"
     )
     payload["sweeps"] = [s for s in (_rate_sweep(payload),) if s is not None]
-    write_report(out, payload)
-    return payload
+    return write_report(out, payload)
 
 
 def run_policy(

@@ -89,8 +89,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{args.num_blocks} blocks per replica"
     )
     payload["sweeps"] = _replica_sweeps(payload, counts, policies)
-    write_report(out, payload)
-    return payload
+    return write_report(out, payload)
 
 
 def _replica_sweeps(

@@ -1,0 +1,216 @@
+"""Hostile input on the real cluster: fuzzing, edge-case prompts, tenant isolation, API keys.
+
+One cluster with an API key and a cluster secret (keyed block hashes). Every test ends with
+the cluster still serving; the last one checks that no block leaked on any replica.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cluster.config import ClusterArgs, IndexConfig, RoutingConfig
+from cluster.index import BlockIndex
+from cluster.launcher import ServeCluster
+from cluster.redis_server import LocalRedis
+from replica.config import EngineConfig
+from replica.tokenizer import ByteTokenizer
+from router.hashing import BlockHasher
+
+MODEL = "tiny-llama-6m"
+KEY = "sk-test-key"
+AUTH = {"authorization": f"Bearer {KEY}"}
+ENGINE = EngineConfig(num_threads=1, num_blocks=512, max_model_len=1024, hash_secret="s3cret")
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server: LocalRedis) -> Iterator[ServeCluster]:
+    args = ClusterArgs(
+        engine=ENGINE,
+        max_tokens_limit=64,
+        api_keys=[KEY, "sk-second-key"],
+        routing=RoutingConfig(stats_period_s=0.5),
+        index=IndexConfig(url=redis_server.url, cluster="reliability"),
+    )
+    with ServeCluster(args) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(cluster: ServeCluster) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=cluster.base_url, headers=AUTH, timeout=60) as client:
+        yield client
+
+
+def assert_openai_error(resp: httpx.Response, status: int | None = None) -> dict:
+    if status is not None:
+        assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"] and "Traceback" not in resp.text
+    return body["error"]
+
+
+def test_api_keys_guard_everything_but_health(cluster: ServeCluster) -> None:
+    url = cluster.base_url
+    assert httpx.get(f"{url}/health").status_code == 200
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY}):
+        for method, path in (
+            ("POST", "/v1/completions"),
+            ("GET", "/v1/models"),
+            ("GET", "/metrics"),
+            ("GET", "/cluster/stats"),
+        ):
+            resp = httpx.request(method, url + path, json=body, headers=headers)
+            assert assert_openai_error(resp, 401)["code"] == "invalid_api_key"
+    # auth comes before validation: a malformed body without a key is still a 401
+    assert httpx.post(f"{url}/v1/completions", content=b"{").status_code == 401
+    for key in (KEY, "sk-second-key"):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+        assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
+
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=40),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=10,
+)
+FIELDS = {
+    "model": st.just(MODEL) | JSON_VALUES,
+    "prompt": st.text(max_size=60) | st.lists(st.integers(-5, 300), max_size=8) | JSON_VALUES,
+    "messages": st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["system", "user", "assistant", "tool", "x"]),
+                "content": st.text(max_size=40) | JSON_VALUES,
+            }
+        ),
+        max_size=3,
+    )
+    | JSON_VALUES,
+    "max_tokens": st.integers(-3, 6) | st.integers(10**3, 10**15) | JSON_VALUES,
+    "temperature": st.floats(-1, 3, allow_nan=False) | JSON_VALUES,
+    "top_p": st.floats(-1, 2, allow_nan=False) | JSON_VALUES,
+    "n": st.integers(-1, 10**9) | JSON_VALUES,
+    "stream": st.booleans() | JSON_VALUES,
+    "stop": st.text(max_size=5) | st.lists(st.text(max_size=300), max_size=6) | JSON_VALUES,
+    "seed": st.integers(-(2**70), 2**70) | JSON_VALUES,
+    "cache_salt": st.text(max_size=300) | JSON_VALUES,
+    "logprobs": JSON_VALUES,
+}
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+    body=st.fixed_dictionaries({}, optional=FIELDS) | JSON_VALUES,
+)
+def test_fuzzed_bodies_never_get_a_5xx_and_errors_are_openai_shaped(
+    http: httpx.Client, path: str, body
+) -> None:
+    resp = http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+    assert resp.status_code in (200, 400, 404), (resp.status_code, resp.text[:300], body)
+    if resp.status_code != 200:
+        assert_openai_error(resp)
+    elif isinstance(body, dict) and body.get("stream") is True:
+        assert resp.text.rstrip().endswith("data: [DONE]")
+    else:
+        assert resp.json()["usage"]["completion_tokens"] >= 0
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"null", b"[]", b"\xff\xfe\x00", b'{"model": "' + b"a" * 100_000 + b'"}', b"{" * 5000],
+)
+def test_garbage_bytes_get_a_400(http: httpx.Client, raw: bytes) -> None:
+    resp = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert_openai_error(resp, 400)
+
+
+def test_hostile_prompts_get_clear_answers(http: httpx.Client) -> None:
+    def complete(prompt, **extra) -> httpx.Response:
+        return http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4, **extra}
+        )
+
+    room = ENGINE.max_model_len - 4 - 1  # the byte tokenizer adds BOS
+    assert complete("a" * room).status_code == 200
+    assert assert_openai_error(complete("a" * (room + 1)), 400)["code"] == "context_length_exceeded"
+    assert complete("").status_code == 200  # BOS alone still runs
+    for text in ("\u202eevil rtl\u202c", "e\u0301" * 50, "🧨" * 100, "\x00\x01\x7f", "\ud800x"):
+        resp = complete(text)
+        assert resp.status_code == 200, resp.text
+    assert complete([0, 257, 256]).status_code == 200
+    for ids in ([-1], [258], [2**31], [1.5], ["a", "b"], []):
+        assert_openai_error(complete(ids), 400)
+    assert_openai_error(complete("x", n=10**6), 400)
+    assert_openai_error(complete("x", max_tokens=10**9), 400)
+    assert_openai_error(complete("x", stop=["a"] * 100), 400)
+    assert_openai_error(complete("x", stop="s" * 10_000), 400)
+    ok = complete("x", stop=["\x00", "zz", "🧨", "e\u0301"], max_tokens=30)
+    assert ok.status_code == 200
+
+
+def test_salted_tenants_never_share_a_block(http: httpx.Client, redis_server: LocalRedis) -> None:
+    prompt = "Tenant isolation check, a long shared system prompt. " * 12
+    ids = ByteTokenizer().encode(prompt)
+    hasher = ENGINE.block_hasher()
+    index = BlockIndex(IndexConfig(url=redis_server.url, cluster="reliability"), MODEL)
+
+    def send(salt: str | None) -> int:
+        extra = {"cache_salt": salt} if salt else {}
+        resp = http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2, **extra}
+        )
+        return resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert send("tenant-a") == 0
+    time.sleep(0.5)  # let the index catch up
+    assert max(index.query(hasher.chain(ids, "tenant-a")).values()) > 0
+    assert set(index.query(hasher.chain(ids, "tenant-b")).values()) == {0}
+    assert set(index.query(hasher.chain(ids)).values()) == {0}
+    assert send("tenant-b") == 0 and send(None) == 0
+    assert send("tenant-a") > 0
+    # the keyed index never stores an unkeyed hash of what it served
+    unkeyed = BlockHasher(ENGINE.block_size, MODEL)
+    stored = set().union(*(index.replica_blocks(r) for r in index.live_replicas()))
+    assert stored
+    for salt in (None, "tenant-a", "tenant-b"):
+        assert stored.isdisjoint(unkeyed.chain(ids, salt))
+    keys = redis.Redis.from_url(redis_server.url).keys(b"*")
+    assert not any(h in k for k in keys for h in unkeyed.chain(ids))
+
+
+def test_nothing_leaked_after_all_of_it(cluster: ServeCluster, http: httpx.Client) -> None:
+    """Every replica, once idle, audited its own block accounting and found it whole."""
+    since = time.time()
+    deadline = time.monotonic() + 30
+    while True:
+        replicas = cluster.stats()["replicas"]
+        fresh = [r for r in replicas.values() if r.get("time", 0) > since + 1]
+        if len(fresh) == 2 and all(r["running"] == r["blocks_in_use"] == 0 for r in fresh):
+            break
+        assert time.monotonic() < deadline, replicas
+        time.sleep(0.5)
+    for r in fresh:
+        assert r["blocks_free"] + r["blocks_cached"] == r["blocks_total"]
+        assert r["idle_audits"] > 0 and r["audit_error"] is None
+    assert http.get("/health").status_code == 200
