@@ -210,19 +210,33 @@ class Engine:
         )
 
     def check_invariants(self) -> None:
-        """Assert the block accounting adds up; tests call this after every step."""
+        """Raise ``AssertionError`` unless the block accounting adds up: free + cached + in
+        use = total, every ref count equals the number of block tables holding the block,
+        waiting requests hold nothing, and exactly the published blocks are in the cache.
+        Tests call this after every step; replicas whenever they fall idle."""
         alloc = self.block_manager.allocator
-        assert alloc.num_free + alloc.num_cached + alloc.num_in_use == alloc.num_blocks
+        cache = self.block_manager.prefix_cache
         held = [0] * alloc.num_blocks
         for seq in self.scheduler.running:
             for block in seq.block_table:
                 held[block] += 1
-        assert held == alloc.ref_counts, "ref counts differ from the block tables"
-        assert all(not s.block_table for s in self.scheduler.waiting)
-        cache = self.block_manager.prefix_cache
         published = sum(alloc.is_published(b) for b in range(alloc.num_blocks))
-        assert published == (len(cache) if cache else 0)
-        assert all(alloc.is_published(b) for b in alloc.eviction_order())
+        in_use = sum(1 for count in alloc.ref_counts if count > 0)  # counted, not derived
+        checks = {
+            "free + cached + in use != total": alloc.num_free + alloc.num_cached + in_use
+            == alloc.num_blocks,
+            "ref counts differ from the block tables": held == alloc.ref_counts,
+            "a waiting request holds blocks": all(
+                not s.block_table for s in self.scheduler.waiting
+            ),
+            "published blocks differ from the cache": published == (len(cache) if cache else 0),
+            "an evictable block is not published": all(
+                alloc.is_published(b) for b in alloc.eviction_order()
+            ),
+        }
+        broken = [name for name, ok in checks.items() if not ok]
+        if broken:
+            raise AssertionError("; ".join(broken))
 
     # -- internals --------------------------------------------------------------------------
 

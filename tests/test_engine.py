@@ -260,3 +260,14 @@ def test_block_accounting_adds_up_after_every_step(ops) -> None:
     stats = engine.stats()
     assert stats.blocks_in_use == 0
     assert stats.blocks_free + stats.blocks_cached == stats.blocks_total
+
+
+def test_extreme_sampling_parameters_never_break_a_step() -> None:
+    engine = Engine(EngineConfig())
+    prompt = [256, *b"edge"]
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=6))[0].token_ids
+    tiny = SamplingParams(max_tokens=6, temperature=1e-30, seed=-(2**70))
+    assert engine.generate([prompt], tiny)[0].token_ids == greedy
+    wild = SamplingParams(max_tokens=6, temperature=2.0, top_p=1e-300, seed=2**90)
+    assert engine.generate([prompt], wild)[0].token_ids == greedy  # top_p keeps the top token
+    engine.check_invariants()
