@@ -11,7 +11,8 @@ import hmac
 from collections.abc import Awaitable, Callable, Iterable
 
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse
+
+from cluster.api_errors import APIError
 
 OPEN_PATHS = frozenset({"/health"})
 _keys: tuple[bytes, ...] = ()
@@ -32,11 +33,6 @@ async def require_api_key(
         # compare against every key, always, so timing tells nothing about which one is near
         ok = [hmac.compare_digest(given, key) for key in _keys]
         if scheme.lower() != "bearer" or not any(ok):
-            error = {
-                "message": "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                "type": "invalid_request_error",
-                "param": None,
-                "code": "invalid_api_key",
-            }
-            return JSONResponse({"error": error}, status_code=401)
+            message = "Incorrect or missing API key: send 'Authorization: Bearer <key>'"
+            return APIError(401, message, code="invalid_api_key").response()
     return await call_next(request)
