@@ -106,6 +106,7 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
         "itl_p50_s": percentile(itl, 50),
         "output_tokens_per_s": sum(m.generation_tokens for m in ms) / duration,
         "duration_s": duration / len(runs),
+        "ttft_p50_s_per_run": [percentile(m.ttft_s, 50) for m in ms],
         "preemptions": sum(m.preemptions for m in ms),
     }
 
