@@ -199,6 +199,29 @@ def test_salted_tenants_never_share_a_block(http: httpx.Client, redis_server: Lo
     assert not any(h in k for k in keys for h in unkeyed.chain(ids))
 
 
+def test_clients_that_hang_up_mid_stream_leak_nothing(
+    cluster: ServeCluster, http: httpx.Client
+) -> None:
+    aborted_before = sum(r.get("aborted", 0) for r in cluster.stats()["replicas"].values())
+    body = {
+        "model": MODEL,
+        "prompt": "hang up on me " * 20,
+        "max_tokens": 64,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    for _ in range(4):
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: ")  # then the client goes away
+    deadline = time.monotonic() + 20
+    while sum(r.get("aborted", 0) for r in cluster.stats()["replicas"].values()) < (
+        aborted_before + 4
+    ):
+        assert time.monotonic() < deadline, "the engine never aborted the abandoned requests"
+        time.sleep(0.5)
+
+
 def test_nothing_leaked_after_all_of_it(cluster: ServeCluster, http: httpx.Client) -> None:
     """Every replica, once idle, audited its own block accounting and found it whole."""
     since = time.time()
