@@ -46,13 +46,16 @@ def drive(
 
 
 def progress_printer(label: str) -> Callable[[int, int], None]:
-    """A one-line progress bar on stderr."""
+    """A one-line progress bar on stderr (a line per quarter when stderr is not a terminal)."""
+    tty = sys.stderr.isatty()
 
     def show(done: int, total: int) -> None:
+        if not tty and done != total and done % max(1, total // 4):
+            return
         width = 30
         filled = width * done // max(total, 1)
         sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-        if done == total:
+        if done == total or not tty:
             sys.stderr.write("\n")
         sys.stderr.flush()
 
