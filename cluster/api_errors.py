@@ -69,6 +69,10 @@ def overloaded() -> APIError:
     )
 
 
+def replica_failed(message: str = "No engine replica could serve the request") -> APIError:
+    return APIError(503, f"{message}; retry", "server_error", code="replica_failed")
+
+
 def engine_error(exc: BaseException) -> APIError | None:
     """The API error for what can go wrong before a request's first token, if any."""
     if isinstance(exc, BackPressureError):
@@ -76,7 +80,7 @@ def engine_error(exc: BaseException) -> APIError | None:
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc))
     if isinstance(exc, ray.exceptions.RayError):
-        return APIError(503, "No engine replica could serve the request", "server_error")
+        return replica_failed()
     return None
 
 

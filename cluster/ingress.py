@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -18,7 +19,13 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from cluster import auth, metrics
-from cluster.api_errors import APIError, engine_error, install_handlers, overloaded
+from cluster.api_errors import (
+    APIError,
+    engine_error,
+    install_handlers,
+    overloaded,
+    replica_failed,
+)
 from cluster.chat_template import render_chat
 from cluster.config import ClusterArgs
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
@@ -31,6 +38,7 @@ from router import metrics as router_metrics
 app = FastAPI(title="prefix-serve", description="OpenAI-compatible, prefix-aware serving")
 app.middleware("http")(auth.require_api_key)
 install_handlers(app)
+_DEAD_REPLICA_RETRIES = 2
 # Serve pickles ``Ingress`` by value when it is decorated: helpers are defined above it, and
 # shared state (metrics) is reached through its module, never bound as a global here.
 
@@ -39,16 +47,25 @@ async def _start(
     engine: DeploymentHandle, request: EngineRequest
 ) -> tuple[DeploymentResponseGenerator, EngineChunk]:
     """Send a request and wait for its first chunk, turning what can go wrong before it
-    (queue full, invalid for the engine, no replica) into an API error."""
-    stream = engine.generate.remote(request)
-    try:
-        return stream, await stream.__anext__()
-    except BaseException as exc:
-        error = engine_error(exc)
-        if error is None:  # cancelled (the client went away): cancel downstream too
-            cancel(stream)
-            raise
-        raise error from exc
+    (queue full, invalid for the engine, no replica) into an API error.
+
+    A replica that dies before the first token has cost the client nothing yet, so the
+    request is sent again (Serve has marked that replica dead by then); once tokens have
+    flowed, a death is reported to the client instead."""
+    for attempt in range(_DEAD_REPLICA_RETRIES + 1):
+        stream = engine.generate.remote(request)
+        try:
+            return stream, await stream.__anext__()
+        except ray.exceptions.RayActorError:
+            if attempt == _DEAD_REPLICA_RETRIES:
+                raise replica_failed() from None
+        except BaseException as exc:
+            error = engine_error(exc)
+            if error is None:  # cancelled (the client went away): cancel downstream too
+                cancel(stream)
+                raise
+            raise error from exc
+    raise AssertionError("unreachable")
 
 
 class Admission:
@@ -170,6 +187,8 @@ class Ingress:
                 return response
             try:
                 await reply.collect(stream)
+            except ray.exceptions.RayError as exc:
+                raise replica_failed("The engine replica failed mid-request") from exc
             finally:
                 cancel(stream)
             return JSONResponse(reply.body(), headers=headers)

@@ -105,6 +105,7 @@ async def _send(client: httpx.AsyncClient, model: str, req: TraceRequest) -> Req
             result.replica = resp.headers.get("x-replica-id")
             if resp.status_code != 200:
                 result.error = (await resp.aread()).decode(errors="replace")[:300]
+                result.latency_s = time.monotonic() - t0
                 return result
             result.ttft_s = time.monotonic() - t0
             last: float | None = None

@@ -44,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=4.0, help="load during faults, per s")
     parser.add_argument("--duration-s", type=float, default=25.0, help="load per fault scenario")
     parser.add_argument("--soak-s", type=float, default=120.0)
+    parser.add_argument("--soak-rate", type=float, default=1.5, help="below capacity, per s")
 
 
 class Scenario:
@@ -280,7 +281,7 @@ def overload(args: argparse.Namespace) -> dict[str, Any]:
 def soak(args: argparse.Namespace) -> dict[str, Any]:
     s = Scenario()
     try:
-        rate = args.rate / 3
+        rate = args.soak_rate / 3
         traces = [
             _trace(rate, args.soak_s, workload=w, seed=i)
             for i, w in enumerate(("multi_tenant", "multi_turn", "random"))
@@ -326,12 +327,12 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {name} | - | - | - | - | - | could not run: {r['error']} |")
             continue
         recovery = {
-            "redis_kill": f"index rebuilt {r.get('index_rebuilt_s')} s after restart",
-            "replica_kill": f"out of answers {r.get('left_index_answers_s')} s, replacement "
-            f"{r.get('replacement_registered_s')} s",
+            "redis_kill": f"index rebuilt {_s(r.get('index_rebuilt_s'))} after restart",
+            "replica_kill": f"out of index answers {_s(r.get('left_index_answers_s'))}, "
+            f"replacement registered {_s(r.get('replacement_registered_s'))}",
             "redis_slow": f"route p99 {r.get('route_p99_ms', 0):.1f} ms",
-            "overload": f"{r.get('shed_503')} shed, p99 {r.get('shed_latency_p99_s')} s",
-            "soak": f"{r.get('duration_s')} s",
+            "overload": f"{r.get('shed_503')} shed, shed p99 {_s(r.get('shed_latency_p99_s'))}",
+            "soak": f"{r.get('duration_s'):.0f} s of mixed load",
         }.get(name, "")
         lines.append(
             f"| {name} | {r['ok']} | {r['failed']} | {r['lost']} | {recovery} | "
@@ -339,6 +340,10 @@ def markdown(report: dict[str, Any]) -> str:
             f"{'; '.join(r.get('failure_kinds', []))[:200]} |"
         )
     return "\n".join(lines)
+
+
+def _s(seconds: float | None) -> str:
+    return "never" if seconds is None else f"{seconds:.1f} s"
 
 
 def _index_answers(base_url: str) -> float:
