@@ -99,7 +99,10 @@ class ServeCluster:
         subprocess.run([str(ray), "stop", "--force"], capture_output=True, timeout=120)
 
     def stats(self) -> dict[str, Any]:
-        return httpx.get(f"{self.base_url}/cluster/stats", timeout=10).json()
+        """The ingress's ``/cluster/stats`` (with the first API key, if keys are set)."""
+        keys = self.args.api_keys
+        headers = {"authorization": f"Bearer {keys[0]}"} if keys else {}
+        return httpx.get(f"{self.base_url}/cluster/stats", headers=headers, timeout=10).json()
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
