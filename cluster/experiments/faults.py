@@ -326,20 +326,28 @@ def markdown(report: dict[str, Any]) -> str:
         if "error" in r and "ok" not in r:
             lines.append(f"| {name} | - | - | - | - | - | could not run: {r['error']} |")
             continue
-        recovery = {
-            "redis_kill": f"index rebuilt {_s(r.get('index_rebuilt_s'))} after restart",
-            "replica_kill": f"out of index answers {_s(r.get('left_index_answers_s'))}, "
-            f"replacement registered {_s(r.get('replacement_registered_s'))}",
-            "redis_slow": f"route p99 {r.get('route_p99_ms', 0):.1f} ms",
-            "overload": f"{r.get('shed_503')} shed, shed p99 {_s(r.get('shed_latency_p99_s'))}",
-            "soak": f"{r.get('duration_s'):.0f} s of mixed load",
-        }.get(name, "")
+        recovery = _recovery(name, r)
         lines.append(
             f"| {name} | {r['ok']} | {r['failed']} | {r['lost']} | {recovery} | "
             f"{'ok' if r.get('accounting_ok') else 'NOT OK'} | "
             f"{'; '.join(r.get('failure_kinds', []))[:200]} |"
         )
     return "\n".join(lines)
+
+
+def _recovery(name: str, r: dict[str, Any]) -> str:
+    if name == "redis_kill":
+        return f"index rebuilt {_s(r.get('index_rebuilt_s'))} after restart"
+    if name == "replica_kill":
+        return (
+            f"out of index answers {_s(r.get('left_index_answers_s'))}, replacement "
+            f"registered {_s(r.get('replacement_registered_s'))}"
+        )
+    if name == "redis_slow":
+        return f"route p99 {r.get('route_p99_ms', 0):.1f} ms"
+    if name == "overload":
+        return f"{r.get('shed_503')} shed, shed p99 {_s(r.get('shed_latency_p99_s'))}"
+    return f"{r.get('duration_s', 0):.0f} s of mixed load"
 
 
 def _s(seconds: float | None) -> str:
