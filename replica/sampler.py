@@ -46,6 +46,7 @@ class Sampler:
             sorted_probs, order = probs.sort(descending=True)
             # keep the smallest head whose mass reaches top_p (the top token always stays)
             drop = sorted_probs.cumsum(0) - sorted_probs >= seq.params.top_p
+            drop[0] = False  # rounding can make the top token's own mass look "above" top_p
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=gen))
