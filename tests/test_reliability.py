@@ -107,8 +107,8 @@ FIELDS = {
     )
     | JSON_VALUES,
     "max_tokens": st.integers(-3, 6) | st.integers(10**3, 10**15) | JSON_VALUES,
-    "temperature": st.floats(-1, 3, allow_nan=False) | JSON_VALUES,
-    "top_p": st.floats(-1, 2, allow_nan=False) | JSON_VALUES,
+    "temperature": st.floats(-1, 3, allow_nan=False) | st.floats(0, 1e-3) | JSON_VALUES,
+    "top_p": st.floats(-1, 2, allow_nan=False) | st.floats(0, 1e-3) | JSON_VALUES,
     "n": st.integers(-1, 10**9) | JSON_VALUES,
     "stream": st.booleans() | JSON_VALUES,
     "stop": st.text(max_size=5) | st.lists(st.text(max_size=300), max_size=6) | JSON_VALUES,
