@@ -6,7 +6,6 @@ import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException
 
 from replica.protocol import InvalidRequestError
@@ -75,8 +74,6 @@ def replica_failed(message: str = "No engine replica could serve the request") -
 
 def engine_error(exc: BaseException) -> APIError | None:
     """The API error for what can go wrong before a request's first token, if any."""
-    if isinstance(exc, BackPressureError):
-        return overloaded()
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc))
     if isinstance(exc, ray.exceptions.RayError):

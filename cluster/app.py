@@ -48,7 +48,9 @@ def build_app(args: dict[str, Any]) -> Application:
     engine = EngineReplica.options(
         num_replicas=cluster.num_replicas,
         max_ongoing_requests=cluster.max_ongoing_requests,
-        max_queued_requests=cluster.max_queued_requests,
+        # The ingress's Admission is the one queue cap: Serve's own would count requests
+        # still being assigned to a free slot as queued and shed a burst too early.
+        max_queued_requests=-1,
         ray_actor_options={"num_cpus": cluster.replica_num_cpus},
         request_router_config=request_router_config(cluster),
     ).bind(cluster.model_dump())
