@@ -42,6 +42,12 @@ def serve_config(args: ClusterArgs, port: int, app_name: str = "llm") -> dict[st
     }
 
 
+def _default_sigint() -> None:
+    """A shell's background jobs (CI, nohup) inherit SIGINT ignored, and Python then never
+    raises KeyboardInterrupt, so ``serve run`` would skip its graceful shutdown."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class ServeCluster:
     """``serve run`` in a subprocess, ready when every engine replica has registered."""
 
@@ -68,6 +74,7 @@ class ServeCluster:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=_default_sigint,
             )
         try:
             self._wait_ready(timeout_s)
