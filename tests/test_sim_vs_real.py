@@ -4,8 +4,8 @@ Runs the real routing experiment (three `serve run` clusters, one per policy), t
 simulator on the trace it saved. Stated tolerance: prompt-token hit rates (engine counters)
 within 0.10 of each other per policy, and both rank every prefix policy above round robin.
 The real cluster's cache-aware hit rate on this trace varies from run to run (0.40-0.42 in
-four runs on an idle machine, 0.51 once on a loaded one): it routes on in-flight counts and on
-what reached the index in time, both timing-dependent.
+four runs on an idle machine, 0.51 once in a CI run whose cluster stops were hanging): it
+routes on in-flight counts and on what reached the index in time, both timing-dependent.
 """
 
 from __future__ import annotations
