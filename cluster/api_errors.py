@@ -8,7 +8,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from replica.protocol import InvalidRequestError
+from replica.messages import InvalidRequestError
 
 
 class APIError(Exception):

@@ -53,7 +53,7 @@ def build_app(args: dict[str, Any]) -> Application:
         max_queued_requests=-1,
         ray_actor_options={"num_cpus": cluster.replica_num_cpus},
         request_router_config=request_router_config(cluster),
-    ).bind(cluster.model_dump())
+    ).bind(cluster.replica_args().model_dump())
     return Ingress.options(ray_actor_options={"num_cpus": cluster.ingress_num_cpus}).bind(
         engine, cluster.model_dump()
     )

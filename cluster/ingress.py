@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from cluster import auth, metrics
+from cluster import api_metrics, auth
 from cluster.api_errors import (
     APIError,
     engine_error,
@@ -26,14 +26,14 @@ from cluster.api_errors import (
     overloaded,
     replica_failed,
 )
+from cluster.api_models import ChatCompletionRequest, CompletionRequest
 from cluster.chat_template import render_chat
 from cluster.config import ClusterArgs
-from cluster.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.responses import ReleasingStreamingResponse, Reply, cancel
-from replica.protocol import EngineChunk, EngineRequest
+from replica.messages import EngineChunk, EngineRequest
 from replica.sampling_params import SamplingParams
 from replica.tokenizer import ByteTokenizer
-from router import metrics as router_metrics
+from router import routing_stats
 
 app = FastAPI(title="prefix-serve", description="OpenAI-compatible, prefix-aware serving")
 app.middleware("http")(auth.require_api_key)
@@ -112,13 +112,13 @@ class Ingress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        router_metrics.STATE.replica_stats()  # refresh the per-replica gauges
+        routing_stats.STATE.replica_stats()  # refresh the per-replica gauges
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/cluster/stats")
     async def cluster_stats(self) -> dict[str, Any]:
         """The request router's view of the engine replicas (routing stats lag ~1 period)."""
-        return router_metrics.STATE.snapshot()
+        return routing_stats.STATE.snapshot()
 
     @app.post("/v1/completions", response_model=None)
     async def completions(
@@ -145,7 +145,7 @@ class Ingress:
         ids = self.tokenizer.encode(text)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # as much as fits, up to the limit
-            room = (self.args.engine.max_model_len or 0) - len(ids)
+            room = self.args.engine.context_len - len(ids)
             max_tokens = max(1, min(self.args.max_tokens_limit, room))
         return await self._serve("chat", body, request, ids, text, max_tokens)
 
@@ -162,9 +162,9 @@ class Ingress:
             engine_request = self._engine_request(body, request, ids, text, max_tokens)
             response = await self._respond(body, kind, engine_request)
         except APIError as exc:
-            metrics.REQUESTS.labels(kind, str(exc.status)).inc()
+            api_metrics.REQUESTS.labels(kind, str(exc.status)).inc()
             raise
-        metrics.REQUESTS.labels(kind, "200").inc()
+        api_metrics.REQUESTS.labels(kind, "200").inc()
         return response
 
     async def _respond(
@@ -176,7 +176,7 @@ class Ingress:
         try:
             start = time.monotonic()
             stream, first = await _start(self.engine, request)
-            metrics.TTFT.observe(time.monotonic() - start)
+            api_metrics.TTFT.observe(time.monotonic() - start)
             reply = Reply(kind, self.model_id, body, len(request.prompt_token_ids), first)
             headers = {"x-replica-id": first.replica_id}
             if body.stream:
@@ -215,11 +215,10 @@ class Ingress:
         if not 1 <= max_tokens <= limit:
             raise APIError(400, f"max_tokens must be in [1, {limit}]", param="max_tokens")
         engine = self.args.engine
-        assert engine.max_model_len is not None
-        if len(ids) + max_tokens > engine.max_model_len:
+        if len(ids) + max_tokens > engine.context_len:
             raise APIError(
                 400,
-                f"This model's maximum context length is {engine.max_model_len} tokens; "
+                f"This model's maximum context length is {engine.context_len} tokens; "
                 f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}",
                 code="context_length_exceeded",
                 param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",

@@ -13,10 +13,10 @@ import ray
 from fastapi.responses import StreamingResponse
 from ray.serve.handle import DeploymentResponseGenerator
 
-from cluster import metrics
-from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from cluster import api_metrics
+from cluster.api_models import ChatCompletionRequest, CompletionRequest
 from cluster.textstream import TextStream
-from replica.protocol import EngineChunk
+from replica.messages import EngineChunk
 
 
 class Reply:
@@ -126,9 +126,9 @@ class Reply:
         return {**self._envelope(), "choices": [choice]}
 
     def _account(self) -> None:
-        metrics.PROMPT_TOKENS.inc(self.num_prompt_tokens)
-        metrics.CACHED_TOKENS.inc(self.num_cached)
-        metrics.COMPLETION_TOKENS.inc(self.completion_tokens)
+        api_metrics.PROMPT_TOKENS.inc(self.num_prompt_tokens)
+        api_metrics.CACHED_TOKENS.inc(self.num_cached)
+        api_metrics.COMPLETION_TOKENS.inc(self.completion_tokens)
 
 
 class ReleasingStreamingResponse(StreamingResponse):

@@ -48,7 +48,6 @@ class KVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.block_size = block_size
 
 
 def paged_attention(

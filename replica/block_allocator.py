@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from typing import Protocol
 
 
 class OutOfBlocksError(RuntimeError):
     """Not enough free or evictable blocks; nothing was changed."""
+
+
+class BlockCache(Protocol):
+    """What the allocator needs from a prefix cache: which blocks hold a published prefix,
+    and a way to forget one when its memory is taken back."""
+
+    def is_published(self, block_id: int) -> bool: ...
+
+    def evict(self, block_id: int) -> None: ...
 
 
 class BlockAllocator:
@@ -16,28 +25,27 @@ class BlockAllocator:
     Every block is in exactly one state, so ``num_free + num_cached + num_in_use == num_blocks``:
 
     * free: ref count 0, holds nothing anyone wants;
-    * cached: ref count 0, holds a published prefix block; kept until its memory is needed,
-      then evicted least recently released first;
+    * cached: ref count 0, holds a block published in ``cache``; kept until its memory is
+      needed, then evicted least recently released first;
     * in use: ref count > 0.
 
-    ``allocate`` takes free blocks first and evicts cached ones only when it must (cached
-    prefixes go before anyone is preempted, because the caller may use ``num_available``).
-    ``share`` on a cached block takes it out of the eviction order, so a prefix hit is never
-    evicted by the allocation that follows it. Ref counts never go negative.
+    Whether a block is published is known only to ``cache`` (one source of truth): a block
+    released to ref count 0 becomes cached if the cache has it, free otherwise. ``allocate``
+    takes free blocks first and evicts cached ones only when it must (cached prefixes go
+    before anyone is preempted, because the caller may use ``num_available``). ``share`` on
+    a cached block takes it out of the eviction order, so a prefix hit is never evicted by
+    the allocation that follows it. Ref counts never go negative.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, cache: BlockCache | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.cache = cache
         self.ref_counts = [0] * num_blocks
-        self._published = [False] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()  # LRU first
-        # Evicts one cached block; the prefix cache replaces it to forget the block's hash
-        # (and must end by calling ``unpublish``).
-        self.on_evict: Callable[[int], None] = self.unpublish
 
     @property
     def num_free(self) -> int:
@@ -59,9 +67,6 @@ class BlockAllocator:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def is_published(self, block: int) -> bool:
-        return self._published[block]
-
     def eviction_order(self) -> list[int]:
         """Cached blocks, the next to be evicted first."""
         return list(self._cached)
@@ -73,8 +78,7 @@ class BlockAllocator:
         blocks = []
         while len(blocks) < n:
             if not self._free:
-                self._evict_lru()
-                continue
+                self.evict(next(iter(self._cached)))
             block = self._free.popleft()
             self.ref_counts[block] = 1
             blocks.append(block)
@@ -94,25 +98,20 @@ class BlockAllocator:
             raise ValueError(f"block {block} freed more often than held")
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
-            if self._published[block]:
+            if self.cache is not None and self.cache.is_published(block):
                 self._cached[block] = None
             else:
                 self._free.append(block)
 
-    def mark_published(self, block: int) -> None:
-        """The prefix cache now maps a hash to this (in-use) block."""
-        if self.ref_counts[block] == 0:
-            raise ValueError(f"block {block} is not in use")
-        self._published[block] = True
+    def evict(self, block: int) -> None:
+        """Take one cached block's memory back: the cache forgets it and it becomes free.
+        ``allocate`` evicts least recently released first; others are for resets and tests."""
+        del self._cached[block]
+        assert self.cache is not None
+        self.cache.evict(block)
+        self._free.append(block)
 
-    def unpublish(self, block: int) -> None:
-        """The prefix cache dropped this block: a cached one becomes free at once."""
-        self._published[block] = False
-        if block in self._cached:
-            del self._cached[block]
-            self._free.append(block)
-
-    def _evict_lru(self) -> None:
-        block = next(iter(self._cached))
-        self.on_evict(block)
-        assert block not in self._cached, "on_evict must unpublish the block"
+    def evict_all(self) -> None:
+        """Evict every cached block (a cache reset); blocks in use are untouched."""
+        while self._cached:
+            self.evict(next(iter(self._cached)))

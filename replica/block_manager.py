@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from replica.block_allocator import BlockAllocator
+from replica.hashing import BlockHasher
 from replica.prefix_cache import PrefixCache
 from replica.sequence import Sequence
-from router.hashing import BlockHasher
 
 
 class BlockManager:
@@ -20,10 +20,12 @@ class BlockManager:
     def __init__(
         self, num_blocks: int, block_size: int, hasher: BlockHasher, enable_prefix_cache: bool
     ) -> None:
+        if hasher.block_size != block_size:
+            raise ValueError("hasher and block manager disagree on block_size")
         self.block_size = block_size
         self.hasher = hasher
-        self.allocator = BlockAllocator(num_blocks, block_size)
-        self.prefix_cache = PrefixCache(self.allocator, hasher) if enable_prefix_cache else None
+        self.prefix_cache = PrefixCache(hasher) if enable_prefix_cache else None
+        self.allocator = BlockAllocator(num_blocks, block_size, self.prefix_cache)
 
     def admit(self, seq: Sequence, token_budget: int) -> int | None:
         """Give a waiting sequence its blocks; return how many tokens it must compute.
@@ -51,8 +53,8 @@ class BlockManager:
         seq.block_table = hits + self.allocator.allocate(num_new_blocks)
         seq.num_computed_tokens = len(hits) * bs
         seq.num_published_blocks = len(hits)
-        if seq.num_cached_tokens is None:
-            seq.num_cached_tokens = len(hits) * bs
+        if seq.num_cached_prompt_tokens is None:
+            seq.num_cached_prompt_tokens = len(hits) * bs
         self._publish(seq, n)
         return num_new_tokens
 
@@ -76,6 +78,14 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_published_blocks = 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix. Refused (False) while any block is in use."""
+        if self.prefix_cache is None or self.allocator.num_in_use:
+            return False
+        self.allocator.evict_all()
+        self.prefix_cache.mark_cleared()
+        return True
 
     def _hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
         have = len(seq.block_hashes)

@@ -8,8 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from replica.hashing import BlockHasher
 from replica.tokenizer import ByteTokenizer
-from router.hashing import BlockHasher
 
 
 class ModelConfig(BaseModel):
@@ -91,11 +91,14 @@ class EngineConfig(BaseModel):
     def _load_model_shape(self) -> EngineConfig:
         if self.model_path is not None:
             self.model = ModelConfig.from_hf(self.model_path)
-        if self.max_model_len is None:
-            self.max_model_len = self.model.max_position
-        if self.max_model_len > self.model.max_position:
+        if self.max_model_len is not None and self.max_model_len > self.model.max_position:
             raise ValueError("max_model_len exceeds the model's max_position")
         return self
+
+    @property
+    def context_len(self) -> int:
+        """The longest prompt plus ``max_tokens`` served: ``max_model_len`` or the model's."""
+        return self.max_model_len or self.model.max_position
 
     def block_hasher(self) -> BlockHasher:
         """The hash chain of this engine's cache; the router must use the same one."""

@@ -17,13 +17,14 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
 from ray import serve
 
-from cluster.config import ClusterArgs
-from cluster.index import BlockIndex
-from cluster.index_publisher import IndexPublisher
+from replica.config import EngineConfig
 from replica.engine import Engine, RequestOutput
-from replica.protocol import EngineChunk, EngineRequest
+from replica.index import BlockIndex, IndexConfig
+from replica.index_publisher import IndexPublisher
+from replica.messages import EngineChunk, EngineRequest
 
 log = logging.getLogger("ray.serve")
 
@@ -37,14 +38,23 @@ def _rss_mb() -> float | None:
         return None
 
 
+class ReplicaArgs(BaseModel):
+    """What one engine replica is built from: its engine and the index it publishes to."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: EngineConfig = EngineConfig()
+    index: IndexConfig = IndexConfig()
+
+
 class EngineFailedError(RuntimeError):
     """The engine loop crashed; the replica reports unhealthy and Serve replaces it."""
 
 
 @serve.deployment(max_ongoing_requests=32)
 class EngineReplica:
-    def __init__(self, args: dict[str, Any] | ClusterArgs) -> None:
-        self.args = ClusterArgs.model_validate(args)
+    def __init__(self, args: dict[str, Any] | ReplicaArgs) -> None:
+        self.args = ReplicaArgs.model_validate(args)
         self.engine = Engine(self.args.engine)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.publisher = IndexPublisher(
@@ -103,29 +113,20 @@ class EngineReplica:
                 loop.run_in_executor(self._executor, self.engine.abort_request, rid)
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """Load and cache counters for the request router (plain ints read without locks)."""
-        engine, m = self.engine, self.engine.metrics
-        alloc = engine.block_manager.allocator
+        """The engine's counters (``EngineStats`` names, no latency percentiles: this runs
+        every stats period and heartbeat) plus what only the replica knows."""
+        publisher = self.publisher.counters
         return {
+            **self.engine.stats(latencies=False).to_dict(),
             "replica_id": self.replica_id,
             "time": time.time(),
             "in_flight": len(self._streams),
             "queued_prefill_tokens": self._queued_prefill_tokens,
-            "running": len(engine.scheduler.running),
-            "waiting": len(engine.scheduler.waiting),
-            "blocks_total": alloc.num_blocks,
-            "blocks_free": alloc.num_free,
-            "blocks_cached": alloc.num_cached,
-            "blocks_in_use": alloc.num_in_use,
-            "prompt_tokens": m.prompt_tokens,
-            "cached_prompt_tokens": m.cached_prompt_tokens,
-            "hit_rate": m.hit_rate,
-            "finished": m.num_finished,
-            "aborted": m.num_aborted,
-            "preemptions": m.preemptions,
             "index_in_sync": self.publisher.in_sync,
-            "index_failures": self.publisher.counters.failures,
-            "index_resyncs": self.publisher.counters.resyncs,
+            "index_failures": publisher.failures,
+            "index_resyncs": publisher.resyncs,
+            "index_dropped_batches": publisher.dropped_batches,
+            "index_overflows": publisher.overflows,
             "epoch": self.publisher.epoch,
             "pid": os.getpid(),
             "rss_mb": _rss_mb(),

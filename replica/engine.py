@@ -7,24 +7,24 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from replica.audit import check_block_accounting
 from replica.block_manager import BlockManager
 from replica.config import EngineConfig, ModelConfig
-from replica.metrics import EngineMetrics, EngineStats, percentile
+from replica.messages import InvalidRequestError
 from replica.model_runner import ModelRunner
 from replica.prefix_cache import CacheEvents
-from replica.protocol import InvalidRequestError
 from replica.sampler import Sampler
 from replica.sampling_params import SamplingParams
 from replica.scheduler import ScheduledBatch, Scheduler
-from replica.sequence import Sequence as Seq
-from replica.sequence import SequenceStatus
-from replica.tokenizer import ByteTokenizer
+from replica.sequence import Sequence, SequenceStatus
+from replica.stats import EngineMetrics, EngineStats, percentile
 
 __all__ = [
     "CacheEvents",
@@ -74,7 +74,6 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config = config or EngineConfig()
-        self.tokenizer = ByteTokenizer()
         self.hasher = config.block_hasher()
         self.block_manager = BlockManager(
             config.num_blocks, config.block_size, self.hasher, config.enable_prefix_cache
@@ -86,7 +85,7 @@ class Engine:
         self.clock = clock
         self.sampler = Sampler(config.seed)
         self.metrics = EngineMetrics()
-        self._seqs: dict[str, Seq] = {}
+        self._seqs: dict[str, Sequence] = {}
         self._listeners: list[Callable[[CacheEvents], None]] = []
         self._ids = itertools.count()
 
@@ -95,7 +94,7 @@ class Engine:
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: Sequence[int],
+        prompt_token_ids: abc.Sequence[int],
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
@@ -104,7 +103,7 @@ class Engine:
         params = params or SamplingParams()
         tokens = list(prompt_token_ids)
         self._validate(request_id, tokens, params)
-        seq = Seq(
+        seq = Sequence(
             request_id,
             tokens,
             params,
@@ -144,8 +143,8 @@ class Engine:
 
     def generate(
         self,
-        prompts: Sequence[Sequence[int]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompts: abc.Sequence[abc.Sequence[int]],
+        params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Run prompts that arrive together to completion; outputs in input order."""
@@ -177,13 +176,14 @@ class Engine:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix. Refused (False) while requests hold blocks."""
-        cache = self.block_manager.prefix_cache
-        if cache is None or not cache.reset():
+        if not self.block_manager.reset_prefix_cache():
             return False
         self._emit_events()
         return True
 
-    def stats(self) -> EngineStats:
+    def stats(self, latencies: bool = True) -> EngineStats:
+        """Counters and block accounting; with ``latencies``, also TTFT and ITL percentiles
+        (sorting up to 100k samples: leave them out where a snapshot is taken often)."""
         m, alloc = self.metrics, self.block_manager.allocator
         cache = self.block_manager.prefix_cache
         return EngineStats(
@@ -204,39 +204,16 @@ class Engine:
             blocks_free=alloc.num_free,
             blocks_cached=alloc.num_cached,
             blocks_in_use=alloc.num_in_use,
-            ttft_p50_s=percentile(m.ttft_s, 50),
-            ttft_p99_s=percentile(m.ttft_s, 99),
-            itl_p50_s=percentile(m.itl_s, 50),
+            ttft_p50_s=percentile(m.ttft_s, 50) if latencies else None,
+            ttft_p99_s=percentile(m.ttft_s, 99) if latencies else None,
+            itl_p50_s=percentile(m.itl_s, 50) if latencies else None,
         )
 
     def check_invariants(self) -> None:
-        """Raise ``AssertionError`` unless the block accounting adds up: free + cached + in
-        use = total, every ref count equals the number of block tables holding the block,
-        waiting requests hold nothing, and exactly the published blocks are in the cache.
-        Tests call this after every step; replicas whenever they fall idle."""
-        alloc = self.block_manager.allocator
-        cache = self.block_manager.prefix_cache
-        held = [0] * alloc.num_blocks
-        for seq in self.scheduler.running:
-            for block in seq.block_table:
-                held[block] += 1
-        published = sum(alloc.is_published(b) for b in range(alloc.num_blocks))
-        in_use = sum(1 for count in alloc.ref_counts if count > 0)  # counted, not derived
-        checks = {
-            "free + cached + in use != total": alloc.num_free + alloc.num_cached + in_use
-            == alloc.num_blocks,
-            "ref counts differ from the block tables": held == alloc.ref_counts,
-            "a waiting request holds blocks": all(
-                not s.block_table for s in self.scheduler.waiting
-            ),
-            "published blocks differ from the cache": published == (len(cache) if cache else 0),
-            "an evictable block is not published": all(
-                alloc.is_published(b) for b in alloc.eviction_order()
-            ),
-        }
-        broken = [name for name, ok in checks.items() if not ok]
-        if broken:
-            raise AssertionError("; ".join(broken))
+        """Raise ``AssertionError`` unless the block accounting adds up (see
+        ``replica.audit``). Tests call this after every step; replicas whenever idle."""
+        sched = self.scheduler
+        check_block_accounting(self.block_manager, sched.running, sched.waiting)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -249,11 +226,10 @@ class Engine:
         vocab = cfg.model.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
             raise InvalidRequestError(f"token ids must be integers in [0, {vocab})")
-        assert cfg.max_model_len is not None
-        if len(tokens) + params.max_tokens > cfg.max_model_len:
+        if len(tokens) + params.max_tokens > cfg.context_len:
             raise InvalidRequestError(
                 f"prompt ({len(tokens)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                f"the model's context of {cfg.max_model_len} tokens"
+                f"the model's context of {cfg.context_len} tokens"
             )
         # the last generated token is never written to the cache
         if self.block_manager.allocator.blocks_needed(len(tokens) + params.max_tokens - 1) > (
@@ -264,13 +240,13 @@ class Engine:
                 f"({cfg.num_blocks} x {cfg.block_size} tokens)"
             )
 
-    def _advance(self, seq: Seq, num_new: int, token: int, now: float) -> RequestOutput:
+    def _advance(self, seq: Sequence, num_new: int, token: int, now: float) -> RequestOutput:
         m = self.metrics
         m.computed_tokens += num_new
         m.generation_tokens += 1
         if seq.first_token_time is None:  # first step of this request: its prompt is done
             m.prompt_tokens += seq.num_prompt_tokens
-            m.cached_prompt_tokens += seq.num_cached_tokens or 0
+            m.cached_prompt_tokens += seq.num_cached_prompt_tokens or 0
             seq.first_token_time = now
             m.ttft_s.append(now - seq.arrival_time)
         else:
@@ -299,12 +275,12 @@ class Engine:
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens or 0,
+            num_cached_tokens=seq.num_cached_prompt_tokens or 0,
         )
 
     def _emit_events(self) -> None:
         cache = self.block_manager.prefix_cache
-        events = cache.drain_events(self.metrics.steps) if cache is not None else None
+        events = cache.drain_events() if cache is not None else None
         if events is not None:
             for listener in self._listeners:
                 listener(events)

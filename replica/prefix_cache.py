@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from replica.block_allocator import BlockAllocator
-from router.hashing import BlockHasher
+from replica.hashing import BlockHasher
 
 
 @dataclass(eq=False, slots=True)
@@ -33,16 +32,16 @@ class CacheEvents:
     when its last one is evicted. ``cleared`` means every earlier hash is gone (a reset).
     """
 
-    step: int
     stored: tuple[bytes, ...]
     removed: tuple[bytes, ...]
     cleared: bool = False
 
 
 class PrefixCache:
-    """Maps block hashes to published physical blocks.
+    """Maps block hashes to published physical blocks: the one record of what is published.
 
-    Invariants:
+    It holds no memory itself: the allocator asks it whether a released block is published
+    (then the block is kept, cached) and tells it when it evicts one. Invariants:
 
     * A hit is verified, never trusted: a block matches only if its tokens equal the request's
       and its parent is the block matched just before (or, for block 0, its salt is the
@@ -55,18 +54,15 @@ class PrefixCache:
       eviction never strands a block, only an out-of-order ``evict`` can.
     """
 
-    def __init__(self, allocator: BlockAllocator, hasher: BlockHasher) -> None:
-        if hasher.block_size != allocator.block_size:
-            raise ValueError("hasher and allocator disagree on block_size")
-        self.allocator = allocator
+    def __init__(self, hasher: BlockHasher) -> None:
         self.hasher = hasher
+        self.block_size = hasher.block_size
         self._by_hash: dict[bytes, list[CachedBlock]] = {}
         self._by_block: dict[int, CachedBlock] = {}
         self._changes: dict[bytes, bool] = {}  # hash -> held, since the last drain
         self._cleared = False
         self.num_evictions = 0
         self.num_hash_mismatches = 0
-        allocator.on_evict = self.evict
 
     def __len__(self) -> int:
         return len(self._by_block)
@@ -85,7 +81,7 @@ class PrefixCache:
         """
         if block_hashes is None:
             block_hashes = self.hasher.chain(token_ids, cache_salt)
-        bs = self.allocator.block_size
+        bs = self.block_size
         level: list[CachedBlock | None] = [None]
         for i, block_hash in enumerate(block_hashes):
             candidates = self._by_hash.get(block_hash)
@@ -123,7 +119,6 @@ class PrefixCache:
             return
         parent = None if parent_block is None else self._by_block[parent_block]
         entry = CachedBlock(block_id, block_hash, tuple(token_ids), parent, cache_salt)
-        self.allocator.mark_published(block_id)
         self._by_block[block_id] = entry
         same_hash = self._by_hash.setdefault(block_hash, [])
         same_hash.append(entry)
@@ -137,22 +132,17 @@ class PrefixCache:
         """Every hash this cache holds (published blocks, in use or not)."""
         return set(self._by_hash)
 
-    def reset(self) -> bool:
-        """Forget every cached block. Refused (False) while any block is in use."""
-        if self.allocator.num_in_use:
-            return False
-        for entry in list(self._by_block.values()):
-            self._drop(entry)
+    def mark_cleared(self) -> None:
+        """Every block was just evicted (a reset): report one ``cleared`` event for it all."""
+        assert not self._by_block, "evict every block before marking the cache cleared"
         self._changes.clear()
         self._cleared = True
-        return True
 
-    def drain_events(self, step: int) -> CacheEvents | None:
+    def drain_events(self) -> CacheEvents | None:
         """The changes since the last drain, or None if there were none."""
         if not self._changes and not self._cleared:
             return None
         events = CacheEvents(
-            step=step,
             stored=tuple(h for h, held in self._changes.items() if held),
             removed=tuple(h for h, held in self._changes.items() if not held),
             cleared=self._cleared,
@@ -162,17 +152,11 @@ class PrefixCache:
         return events
 
     def evict(self, block_id: int) -> None:
-        """Forget one cached, unreferenced block and free it (the allocator's LRU victim)."""
-        self._drop(self._by_block[block_id])
-        self.num_evictions += 1
-
-    def _drop(self, entry: CachedBlock) -> None:
-        if self.allocator.ref_counts[entry.block_id]:
-            raise ValueError(f"block {entry.block_id} is in use")
+        """Forget one block (the allocator's LRU victim, unreferenced): it is free memory now."""
+        entry = self._by_block.pop(block_id)
         same_hash = self._by_hash[entry.block_hash]
         same_hash.remove(entry)
         if not same_hash:
             del self._by_hash[entry.block_hash]
             self._changes[entry.block_hash] = False
-        del self._by_block[entry.block_id]
-        self.allocator.unpublish(entry.block_id)
+        self.num_evictions += 1

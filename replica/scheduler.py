@@ -24,6 +24,16 @@ class ScheduledBatch:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
 
+    @property
+    def num_decodes(self) -> int:
+        """Sequences computing one token (a decode; the model runs them as one batch)."""
+        return sum(1 for n in self.num_new_tokens if n == 1)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens of the sequences computing several (prefills of an uncached suffix)."""
+        return sum(n for n in self.num_new_tokens if n > 1)
+
 
 class Scheduler:
     """FIFO admission between decode steps, preemption by recompute, newest first.
@@ -98,5 +108,4 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.release(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -35,8 +35,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_published_blocks: int = 0
-    num_cached_tokens: int | None = None  # prompt tokens served from cache at first admission
-    num_preemptions: int = 0
+    num_cached_prompt_tokens: int | None = None  # served from the cache at first admission
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_reason: str | None = None

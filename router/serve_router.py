@@ -10,7 +10,7 @@ Load is the larger of this router's own in-flight count and Serve's queue-length
 stats replicas report through ``record_routing_stats`` are exported (``/metrics``,
 ``/cluster/stats``) but not routed on: they arrive a stats period late.
 
-Serve pickles this module by value: shared state is reached as ``metrics.STATE`` only.
+Serve pickles this module by value: shared state is reached as ``routing_stats.STATE`` only.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from cluster.config import IndexConfig
-from cluster.index import BlockIndex
-from router import metrics
+from replica.index import BlockIndex, IndexConfig
+from router import routing_stats
 from router.policies import BoundedLoad, ReplicaLoad, RoutingRequest, make_policy
 
 
@@ -49,8 +48,8 @@ class PrefixAwareRequestRouter(RequestRouter):
             else None
         )
         self._in_flight: dict[str, int] = {}
-        metrics.STATE.policy = policy
-        metrics.STATE.attach(self)
+        routing_stats.STATE.policy = policy
+        routing_stats.STATE.attach(self)
 
     async def choose_replicas(
         self,
@@ -68,9 +67,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         answer = None
         if self.index is not None:
             answer = await self.index.aquery(request.block_hashes)
-            metrics.INDEX_ANSWERS.labels("unknown" if answer is None else "answered").inc()
+            routing_stats.INDEX_ANSWERS.labels("unknown" if answer is None else "answered").inc()
         ranked = self.policy.rank(request, loads, answer)
-        metrics.STATE.record_decision(time.perf_counter() - start)
+        routing_stats.STATE.record_decision(time.perf_counter() - start)
         return [[by_id[rid]] for rid in ranked]
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
@@ -78,7 +77,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         rid = replica_id.unique_id
         self._in_flight[rid] = self._in_flight.get(rid, 0) + 1
         self.policy.on_routed(rid)
-        metrics.STATE.record_routed(rid)
+        routing_stats.STATE.record_routed(rid)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)

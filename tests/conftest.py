@@ -6,7 +6,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from cluster.redis_server import LocalRedis
+from cluster.experiments.redis_server import LocalRedis
+
+
+def keep_logs(request: pytest.FixtureRequest, failed_before: int) -> bool:
+    """Whether a test failed since ``failed_before`` (then a fixture keeps its logs)."""
+    return request.session.testsfailed > failed_before
 
 
 @pytest.fixture(scope="module")

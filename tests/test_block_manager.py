@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-import router.hashing
+import replica.hashing
 from replica.block_allocator import BlockAllocator, OutOfBlocksError
 from replica.block_manager import BlockManager
+from replica.hashing import BlockHasher
 from replica.sampling_params import SamplingParams
 from replica.sequence import Sequence
-from router.hashing import BlockHasher
 
 BS = 4
 
@@ -59,7 +59,7 @@ def test_shared_full_blocks_get_ref_count_two_and_only_new_blocks_are_allocated(
     b = seq([*range(8), 50, 51], "b")
     assert bm.admit(b, 10_000) == 2  # only the tail is computed
     assert b.block_table == [0, 1, 3]
-    assert b.num_cached_tokens == 8
+    assert b.num_cached_prompt_tokens == 8
     assert bm.allocator.ref_counts[:4] == [2, 2, 1, 1]
     assert bm.allocator.num_free == 4
 
@@ -129,7 +129,7 @@ def test_a_failed_admission_leaves_every_ref_count_untouched() -> None:
     assert bm.admit(b, 10_000) is None
     assert bm.allocator.ref_counts == before
     assert b.block_table == []
-    assert b.num_cached_tokens is None
+    assert b.num_cached_prompt_tokens is None
     assert bm.admit(seq([*range(8), 9], "c"), token_budget=0) is None  # over the budget
     assert bm.allocator.ref_counts == before
 
@@ -149,10 +149,10 @@ def test_reset_is_refused_while_blocks_are_in_use() -> None:
     assert cache is not None
     s = seq(list(range(9)), "s")
     run_prefill(bm, s)
-    assert not cache.reset()
+    assert not bm.reset_prefix_cache()
     assert len(cache) == 2
     bm.release(s)
-    assert cache.reset()
+    assert bm.reset_prefix_cache()
     assert len(cache) == 0
     assert bm.allocator.num_free == 8
     assert cache.lookup(list(range(9))) == []
@@ -167,12 +167,12 @@ def test_lookup_stops_at_the_first_miss() -> None:
     run_prefill(bm, s)
     table = list(s.block_table)
     bm.release(s)
-    cache.evict(table[1])  # blocks 0, 2 and 3 stay cached
+    bm.allocator.evict(table[1])  # blocks 0, 2 and 3 stay cached
     assert [cache.is_published(b) for b in table[:4]] == [True, False, True, True]
     assert cache.lookup(prompt) == [table[0]]
     again = seq(prompt, "again")
     assert bm.admit(again, 10_000) == len(prompt) - BS
-    assert again.num_cached_tokens == BS
+    assert again.num_cached_prompt_tokens == BS
 
 
 def test_a_shared_middle_block_without_the_shared_start_shares_nothing() -> None:
@@ -184,7 +184,7 @@ def test_a_shared_middle_block_without_the_shared_start_shares_nothing() -> None
 
 
 def test_a_forced_hash_collision_never_gives_a_wrong_hit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(router.hashing, "_digest", lambda data, key: b"\x00" * 16)
+    monkeypatch.setattr(replica.hashing, "_digest", lambda data, key: b"\x00" * 16)
     bm = manager()
     cache = bm.prefix_cache
     assert cache is not None
@@ -208,13 +208,13 @@ def test_events_report_stored_and_removed_hashes_once() -> None:
     a = seq(list(range(9)), "a")
     run_prefill(bm, a)
     hashes = list(a.block_hashes)
-    events = cache.drain_events(step=1)
+    events = cache.drain_events()
     assert events is not None
     assert set(events.stored) == set(hashes) and events.removed == ()
-    assert cache.drain_events(step=2) is None
+    assert cache.drain_events() is None
     bm.release(a)
     run_prefill(bm, seq(list(range(100, 109)), "b"))  # evicts both of a's blocks
-    events = cache.drain_events(step=3)
+    events = cache.drain_events()
     assert events is not None
     assert set(events.removed) == set(hashes)
     assert cache.cached_hashes().isdisjoint(hashes)

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-import router.hashing
+import replica.hashing
 from replica.engine import Engine, EngineConfig, InvalidRequestError, SamplingParams
 from replica.model import LlamaForCausalLM
 
@@ -82,7 +82,7 @@ def test_a_forced_hash_collision_does_not_change_any_output(
 ) -> None:
     prompts = shared_prefix_prompts(9, seed=5)
     expected = Engine(EngineConfig(enable_prefix_cache=False)).generate(prompts, GREEDY)
-    monkeypatch.setattr(router.hashing, "_digest", lambda data, key: b"\x01" * 16)
+    monkeypatch.setattr(replica.hashing, "_digest", lambda data, key: b"\x01" * 16)
     engine = Engine(EngineConfig())
     outs = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]

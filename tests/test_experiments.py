@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cluster.redis_server import LocalRedis
+from cluster.experiments.redis_server import LocalRedis
 
 REPO = Path(__file__).resolve().parent.parent
 

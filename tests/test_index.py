@@ -9,12 +9,11 @@ import time
 import pytest
 import redis
 
-from cluster.config import IndexConfig
-from cluster.index import BlockIndex, StaleEpochError
-from cluster.index_publisher import IndexPublisher
-from cluster.redis_server import LocalRedis
+from cluster.experiments.redis_server import LocalRedis
 from replica.engine import Engine, EngineConfig, SamplingParams
-from router.hashing import BlockHasher
+from replica.hashing import BlockHasher
+from replica.index import BlockIndex, IndexConfig, StaleEpochError
+from replica.index_publisher import IndexPublisher
 
 MODEL = "tiny-llama-6m"
 H = [bytes([i]) * 16 for i in range(8)]  # a stand-in chain of 8 block hashes

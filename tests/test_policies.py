@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from router.hashing import BlockHasher
+from replica.hashing import BlockHasher
 from router.policies import (
     BoundedLoad,
     CacheAware,

@@ -14,16 +14,18 @@ import httpx
 import openai
 import pytest
 import redis
+from conftest import keep_logs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.config import ClusterArgs, IndexConfig, RoutingConfig
-from cluster.index import BlockIndex
-from cluster.launcher import ServeCluster
-from cluster.redis_server import LocalRedis
+from cluster.config import ClusterArgs
+from cluster.experiments.launcher import ServeCluster
+from cluster.experiments.redis_server import LocalRedis
 from replica.config import EngineConfig
+from replica.hashing import BlockHasher
+from replica.index import BlockIndex, IndexConfig
 from replica.tokenizer import ByteTokenizer
-from router.hashing import BlockHasher
+from router.config import RoutingConfig
 
 MODEL = "tiny-llama-6m"
 KEY = "sk-test-key"
@@ -32,7 +34,7 @@ ENGINE = EngineConfig(num_threads=1, num_blocks=512, max_model_len=1024, hash_se
 
 
 @pytest.fixture(scope="module")
-def cluster(redis_server: LocalRedis) -> Iterator[ServeCluster]:
+def cluster(redis_server: LocalRedis, request: pytest.FixtureRequest) -> Iterator[ServeCluster]:
     args = ClusterArgs(
         engine=ENGINE,
         max_tokens_limit=64,
@@ -40,8 +42,10 @@ def cluster(redis_server: LocalRedis) -> Iterator[ServeCluster]:
         routing=RoutingConfig(stats_period_s=0.5),
         index=IndexConfig(url=redis_server.url, cluster="reliability"),
     )
-    with ServeCluster(args) as c:
-        yield c
+    failed = request.session.testsfailed
+    c = ServeCluster(args).start()
+    yield c
+    c.stop(keep_logs=keep_logs(request, failed))
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +210,7 @@ def test_salted_tenants_never_share_a_block(http: httpx.Client, redis_server: Lo
 def test_clients_that_hang_up_mid_stream_leak_nothing(
     cluster: ServeCluster, http: httpx.Client
 ) -> None:
-    aborted_before = sum(r.get("aborted", 0) for r in cluster.stats()["replicas"].values())
+    aborted_before = sum(r.get("num_aborted", 0) for r in cluster.stats()["replicas"].values())
     body = {
         "model": MODEL,
         "prompt": "hang up on me " * 20,
@@ -219,7 +223,7 @@ def test_clients_that_hang_up_mid_stream_leak_nothing(
             lines = resp.iter_lines()
             assert next(lines).startswith("data: ")  # then the client goes away
     deadline = time.monotonic() + 20
-    while sum(r.get("aborted", 0) for r in cluster.stats()["replicas"].values()) < (
+    while sum(r.get("num_aborted", 0) for r in cluster.stats()["replicas"].values()) < (
         aborted_before + 4
     ):
         assert time.monotonic() < deadline, "the engine never aborted the abandoned requests"
@@ -233,7 +237,7 @@ def test_nothing_leaked_after_all_of_it(cluster: ServeCluster, http: httpx.Clien
     while True:
         replicas = cluster.stats()["replicas"]
         fresh = [r for r in replicas.values() if r.get("time", 0) > since + 1]
-        if len(fresh) == 2 and all(r["running"] == r["blocks_in_use"] == 0 for r in fresh):
+        if len(fresh) == 2 and all(r["num_running"] == r["blocks_in_use"] == 0 for r in fresh):
             break
         assert time.monotonic() < deadline, replicas
         time.sleep(0.5)

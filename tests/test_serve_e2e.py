@@ -10,12 +10,14 @@ import httpx
 import openai
 import pytest
 import redis
+from conftest import keep_logs
 
-from cluster.config import ClusterArgs, IndexConfig, RoutingConfig
-from cluster.index import BlockIndex
-from cluster.launcher import ServeCluster
-from cluster.redis_server import LocalRedis
+from cluster.config import ClusterArgs
+from cluster.experiments.launcher import ServeCluster
+from cluster.experiments.redis_server import LocalRedis
 from replica.config import EngineConfig
+from replica.index import BlockIndex, IndexConfig
+from router.config import RoutingConfig
 
 MODEL = "tiny-llama-6m"
 SYSTEM = "You are a careful assistant for a shipping company. " * 12  # ~640 tokens
@@ -42,9 +44,11 @@ def redis_server() -> Iterator[LocalRedis]:
 
 
 @pytest.fixture(scope="module")
-def cluster(redis_server: LocalRedis) -> Iterator[ServeCluster]:
-    with ServeCluster(cluster_args(redis_server.url, "cache_aware")) as c:
-        yield c
+def cluster(redis_server: LocalRedis, request: pytest.FixtureRequest) -> Iterator[ServeCluster]:
+    failed = request.session.testsfailed
+    c = ServeCluster(cluster_args(redis_server.url, "cache_aware")).start()
+    yield c
+    c.stop(keep_logs=keep_logs(request, failed))
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +212,7 @@ def assert_no_leaked_blocks(cluster: ServeCluster, timeout_s: float = 20.0) -> N
         idle = len(replicas) == 2 and all(
             r["blocks_in_use"] == 0
             and r["blocks_free"] + r["blocks_cached"] == r["blocks_total"]
-            and r["running"] == r["waiting"] == 0
+            and r["num_running"] == r["num_waiting"] == 0
             for r in replicas.values()
         )
         if idle:

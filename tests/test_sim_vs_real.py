@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cluster.experiments.__main__ import run as run_experiment
-from cluster.redis_server import LocalRedis
+from cluster.experiments.redis_server import LocalRedis
 
 POLICIES = "round_robin,prefix_affinity,cache_aware"
 TOLERANCE = 0.10

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cluster.simulator import CostModel, Simulation, calibrate
-from cluster.workloads import WorkloadSpec, make_trace, oracle_hit_rate
+from cluster.experiments.simulator import CostModel, Simulation, calibrate
+from cluster.experiments.workloads import WorkloadSpec, make_trace, oracle_hit_rate
 from replica.config import EngineConfig
 from router.policies import make_policy
 

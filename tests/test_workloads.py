@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.workloads import (
+from cluster.experiments.workloads import (
     WORKLOADS,
     TraceRequest,
     WorkloadSpec,
@@ -18,7 +18,7 @@ from cluster.workloads import (
     oracle_hit_rate,
     save_trace,
 )
-from router.hashing import BlockHasher
+from replica.hashing import BlockHasher
 
 HASHER = BlockHasher(16, "tiny-llama-6m")
 

@@ -28,20 +28,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run(argv: list[str]) -> dict:
-    """Run one experiment from command-line arguments; returns its JSON result."""
-    args = build_parser().parse_args(argv)
-    return EXPERIMENTS[args.experiment][0].run(args)
-
-
-def main(argv: list[str] | None = None) -> None:
+def run(argv: list[str] | None = None) -> dict:
+    """Run one experiment from command-line arguments; returns its JSON result (also
+    written to ``--out`` when that names a ``.json`` file)."""
     args = build_parser().parse_args(argv)
     result = EXPERIMENTS[args.experiment][0].run(args)
-    text = json.dumps(result, default=str)
     if args.out is not None and args.out.suffix == ".json":
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    sys.stdout.write(text + "\n")
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The command: the JSON result is the last line on stdout."""
+    sys.stdout.write(json.dumps(run(argv), default=str) + "\n")
 
 
 if __name__ == "__main__":

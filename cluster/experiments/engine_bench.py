@@ -10,11 +10,12 @@ from typing import Any
 
 import torch
 
-from cluster.workloads import TraceRequest, WorkloadSpec, make_trace
+from cluster.experiments.workloads import TraceRequest, WorkloadSpec, make_trace
 from replica.engine import Engine, EngineConfig, SamplingParams
-from replica.metrics import EngineMetrics, percentile
+from replica.hashing import BlockHasher
 from replica.model_runner import ModelRunner
-from router.hashing import BlockHasher
+from replica.stats import EngineMetrics, percentile
+from replica.tokenizer import ByteTokenizer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +66,7 @@ class Run:
 
 def replay(engine: Engine, trace: list[TraceRequest]) -> Run:
     """Drive the engine open-loop: each request is added when its arrival time has passed."""
-    tokenizer = engine.tokenizer
+    tokenizer = ByteTokenizer()
     pending = sorted(trace, key=lambda r: r.arrival_s)
     start = time.monotonic()
     i = 0

@@ -10,11 +10,10 @@ from typing import Any
 
 import redis
 
-from cluster.config import IndexConfig
-from cluster.index import BlockIndex
-from cluster.redis_server import LocalRedis
-from replica.metrics import percentile
-from router.hashing import BlockHasher
+from cluster.experiments.redis_server import LocalRedis
+from replica.hashing import BlockHasher
+from replica.index import BlockIndex, IndexConfig
+from replica.stats import percentile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,8 +11,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from cluster.loadgen import RequestResult
-from replica.metrics import percentile
+from cluster.experiments.loadgen import RequestResult
+from replica.stats import percentile
 
 
 def summarize(
@@ -153,6 +153,42 @@ def plot(out: Path, payload: dict[str, Any]) -> None:
         ax.legend()
         fig.savefig(out / sweep["file"], dpi=110, bbox_inches="tight")
         plt.close(fig)
+
+
+def faults_markdown(report: dict[str, Any]) -> str:
+    lines = ["# Faults, overload and soak on the real cluster", ""]
+    lines += ["| scenario | ok | failed | lost | recovery | accounting | notes |"]
+    lines += ["| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, r in report.items():
+        if "error" in r and "ok" not in r:
+            lines.append(f"| {name} | - | - | - | - | - | could not run: {r['error']} |")
+            continue
+        recovery = _recovery(name, r)
+        lines.append(
+            f"| {name} | {r['ok']} | {r['failed']} | {r['lost']} | {recovery} | "
+            f"{'ok' if r.get('accounting_ok') else 'NOT OK'} | "
+            f"{'; '.join(r.get('failure_kinds', []))[:200]} |"
+        )
+    return "\n".join(lines)
+
+
+def _recovery(name: str, r: dict[str, Any]) -> str:
+    if name == "redis_kill":
+        return f"index rebuilt {_s(r.get('index_rebuilt_s'))} after restart"
+    if name == "replica_kill":
+        return (
+            f"out of index answers {_s(r.get('left_index_answers_s'))}, replacement "
+            f"registered {_s(r.get('replacement_registered_s'))}"
+        )
+    if name == "redis_slow":
+        return f"route p99 {r.get('route_p99_ms', 0):.1f} ms"
+    if name == "overload":
+        return f"{r.get('shed_503')} shed, shed p99 {_s(r.get('shed_latency_p99_s'))}"
+    return f"{r.get('duration_s', 0):.0f} s of mixed load"
+
+
+def _s(seconds: float | None) -> str:
+    return "never" if seconds is None else f"{seconds:.1f} s"
 
 
 def slug(section: str) -> str:

@@ -17,13 +17,12 @@ from typing import Any
 
 import httpx
 
-from cluster.config import ClusterArgs, IndexConfig, RoutingConfig
+from cluster.config import ClusterArgs
+from cluster.experiments.launcher import ServeCluster
+from cluster.experiments.loadgen import drive, progress_printer
+from cluster.experiments.redis_server import LocalRedis
 from cluster.experiments.report import slug, summarize, write_report
-from cluster.index import BlockIndex
-from cluster.launcher import ServeCluster
-from cluster.loadgen import drive, progress_printer
-from cluster.redis_server import LocalRedis
-from cluster.workloads import (
+from cluster.experiments.workloads import (
     WORKLOADS,
     TraceRequest,
     WorkloadSpec,
@@ -33,6 +32,8 @@ from cluster.workloads import (
     save_trace,
 )
 from replica.config import EngineConfig
+from replica.index import BlockIndex, IndexConfig
+from router.config import RoutingConfig
 
 POLICIES = ("round_robin", "prefix_affinity", "cache_aware", "ray_default", "ray_prefix")
 
@@ -139,8 +140,8 @@ def run_policy(
     try:
         cluster.start()
     except Exception as exc:  # a peer that cannot run is reported, not dropped
-        cluster.stop()
         return {"error": f"cluster did not start ({type(exc).__name__}: {exc})"}
+    metrics: dict[str, Any] = {"error": "the run did not finish"}
     try:
         replicas = int(args.replicas)
         _warm_up(cluster.base_url, engine.model_id, replicas)
@@ -151,13 +152,11 @@ def run_policy(
         )
         after = _fresh_stats(index, replicas, newer_than=time.time())
         metrics = summarize(results, makespan, sorted(after))
-        prompt = sum(
-            after[r]["prompt_tokens"] - before.get(r, {}).get("prompt_tokens", 0) for r in after
-        )
-        cached = sum(
-            after[r]["cached_prompt_tokens"] - before.get(r, {}).get("cached_prompt_tokens", 0)
-            for r in after
-        )
+
+        def delta(key: str) -> int:  # what the engines counted during the run
+            return sum(after[r][key] - before.get(r, {}).get(key, 0) for r in after)
+
+        prompt, cached = delta("prompt_tokens"), delta("cached_prompt_tokens")
         metrics["hit_rate_engine"] = cached / prompt if prompt else 0.0
         if policy not in ("ray_default", "ray_prefix"):
             stats = cluster.stats()
@@ -167,7 +166,7 @@ def run_policy(
             metrics["error"] = f"no request succeeded: {metrics['errors']}"
         return metrics
     finally:
-        cluster.stop()
+        cluster.stop(keep_logs="error" in metrics)
 
 
 def _warm_up(base_url: str, model: str, replicas: int) -> None:

@@ -1,4 +1,4 @@
-"""``simulate``: the routing experiment on simulated replicas (``cluster.simulator``).
+"""``simulate``: the routing experiment on simulated replicas (``cluster.experiments.simulator``).
 
 Same traces, policies and report as ``routing``; ``--replicas`` may list several counts
 (a sweep of hit rate and load imbalance against cluster size). With ``--per-replica``, the
@@ -15,8 +15,8 @@ from typing import Any
 
 from cluster.experiments.report import summarize, write_report
 from cluster.experiments.routing import add_workload_arguments, section_name, traces
-from cluster.simulator import DEFAULT_CALIBRATION, CostModel, Simulation, calibrate
-from cluster.workloads import oracle_hit_rate
+from cluster.experiments.simulator import DEFAULT_CALIBRATION, CostModel, Simulation, calibrate
+from cluster.experiments.workloads import oracle_hit_rate
 from replica.config import EngineConfig
 from router.policies import BoundedLoad, make_policy
 

@@ -7,6 +7,7 @@ Used by the end-to-end tests and the routing experiments. The config is written 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,8 +21,8 @@ import httpx
 import yaml
 
 from cluster.config import ClusterArgs
-from cluster.index import BlockIndex
-from cluster.redis_server import free_port
+from cluster.experiments.redis_server import free_port
+from replica.index import BlockIndex
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -79,31 +80,46 @@ class ServeCluster:
         try:
             self._wait_ready(timeout_s)
         except BaseException:
-            self.stop()
+            self.stop(keep_logs=True)
             raise
         return self
 
-    def stop(self, timeout_s: float = 60.0) -> None:
+    def stop(self, timeout_s: float = 60.0, keep_logs: bool = False) -> None:
         """SIGINT first: ``serve run`` then shuts Serve down gracefully (replicas run their
         destructors and leave the index). SIGTERM if that hangs (Ray stops, destructors do
-        not run), SIGKILL last."""
-        if self._proc is None:
-            return
+        not run), SIGKILL last.
+
+        The temporary folder (config and ``serve.log``) is removed after a graceful stop,
+        and kept for a post-mortem when ``keep_logs`` is set (a failed test or run) or the
+        stop was not graceful; its path is then printed on stderr."""
+        graceful = True
+        if self._proc is not None:
+            graceful = self._signal_until_stopped(timeout_s)
+            self._proc = None
+            # the backstop: nothing of this Ray instance may outlive the cluster
+            ray = Path(sys.executable).with_name("ray")
+            subprocess.run([str(ray), "stop", "--force"], capture_output=True, timeout=120)
+        if keep_logs or not graceful:
+            sys.stderr.write(f"serve run's config and log are kept in {self._dir}\n")
+        elif self._dir.exists():
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _signal_until_stopped(self, timeout_s: float) -> bool:
+        """SIGINT, then SIGTERM, then SIGKILL; True if SIGINT alone stopped it cleanly."""
+        assert self._proc is not None
         for sig, wait_s in ((signal.SIGINT, timeout_s), (signal.SIGTERM, 30.0)):
             if self._proc.poll() is not None:
                 break
             self._proc.send_signal(sig)
             try:
                 self._proc.wait(timeout=wait_s)
+                return sig == signal.SIGINT and self._proc.returncode == 0
             except subprocess.TimeoutExpired:
                 continue
         if self._proc.poll() is None:
             os.killpg(self._proc.pid, signal.SIGKILL)
             self._proc.wait()
-        self._proc = None
-        # the backstop: nothing of this Ray instance may outlive the cluster
-        ray = Path(sys.executable).with_name("ray")
-        subprocess.run([str(ray), "stop", "--force"], capture_output=True, timeout=120)
+        return False
 
     def stats(self) -> dict[str, Any]:
         """The ingress's ``/cluster/stats`` (with the first API key, if keys are set)."""
@@ -138,4 +154,4 @@ class ServeCluster:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.stop()
+        self.stop(keep_logs=exc_type is not None)

@@ -63,6 +63,11 @@ class LocalRedis:
             self._proc.wait()
             self._proc = None
 
+    def close(self) -> None:
+        """Stop the server for good and remove its working directory."""
+        self.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
     @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -76,5 +81,4 @@ class LocalRedis:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.stop()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self.close()

@@ -23,8 +23,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from replica.hashing import BlockHasher
 from replica.tokenizer import ByteTokenizer
-from router.hashing import BlockHasher
 
 _WORDS = tuple(
     "the a assistant user answer question always never please tool call result json "

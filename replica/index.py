@@ -13,7 +13,7 @@ all keys of a namespace share one slot; two clusters or models never share a key
                                   heartbeat, for experiments and operators
 
 Only hashes are stored, never tokens or text; with a cluster secret the hashes themselves are
-keyed (``router.hashing``), so reading Redis does not tell whether a guessed prompt is cached.
+keyed (``replica.hashing``), so reading Redis does not tell whether a guessed prompt is cached.
 
 Every operation is one round trip (one Lua script), and every script that writes a replica's
 blocks first checks the caller's epoch, so a replica that was replaced (a new epoch) cannot
@@ -32,127 +32,34 @@ from typing import Any
 
 import redis
 import redis.asyncio
+from pydantic import BaseModel, ConfigDict, Field
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from cluster.config import IndexConfig
+from replica import index_scripts as scripts
 
-# Shared by the scripts: drop every block of replica ARGV[1]; KEYS[1] = its block set.
-_PURGE = """
-local function purge(ns, rid)
-  local rkey = ns .. ':r:' .. rid
-  local blocks = redis.call('SMEMBERS', rkey)
-  for _, h in ipairs(blocks) do redis.call('SREM', ns .. ':b:' .. h, rid) end
-  redis.call('DEL', rkey, ns .. ':stats:' .. rid)
-  return #blocks
-end
-"""
 
-# KEYS: none (all keys derive from ARGV[1] = ns). ARGV: ns, rid, epoch, ttl_ms.
-_REGISTER = (
-    _PURGE
-    + """
-local ns, rid, epoch = ARGV[1], ARGV[2], ARGV[3]
-local old = redis.call('HGET', ns .. ':replicas', rid)
-local purged = 0
-if old ~= epoch then purged = purge(ns, rid) end
-redis.call('HSET', ns .. ':replicas', rid, epoch)
-redis.call('SET', ns .. ':hb:' .. rid, epoch, 'PX', ARGV[4])
-return purged
-"""
-)
+class IndexConfig(BaseModel):
+    """Where the Redis block index lives and how long anyone waits for it.
 
-# ARGV: ns, rid, epoch. Purges and forgets the replica if the epoch is still its own.
-_DEREGISTER = (
-    _PURGE
-    + """
-local ns, rid = ARGV[1], ARGV[2]
-if redis.call('HGET', ns .. ':replicas', rid) ~= ARGV[3] then return -1 end
-local n = purge(ns, rid)
-redis.call('HDEL', ns .. ':replicas', rid)
-redis.call('DEL', ns .. ':hb:' .. rid)
-return n
-"""
-)
+    ``cluster`` and the model id namespace every key, so several clusters (or models) can
+    share one Redis. Timeouts are short on purpose: the index is advisory, and a slow Redis
+    must never stall an engine step or a routing decision.
+    """
 
-# ARGV: ns, rid, epoch, ttl_ms, stats json ('' for none). 1 = refreshed, 0 = not
-# registered with this epoch.
-_HEARTBEAT = """
-local ns, rid, epoch = ARGV[1], ARGV[2], ARGV[3]
-if redis.call('HGET', ns .. ':replicas', rid) ~= epoch then return 0 end
-redis.call('SET', ns .. ':hb:' .. rid, epoch, 'PX', ARGV[4])
-if ARGV[5] ~= '' then redis.call('SET', ns .. ':stats:' .. rid, ARGV[5], 'PX', ARGV[4]) end
-return 1
-"""
+    model_config = ConfigDict(extra="forbid")
 
-# ARGV: ns, rid, epoch, replace (0/1), n_stored, stored..., removed...
-# replace = 1 makes the stored hashes the replica's whole set (a resync).
-_PUBLISH = (
-    _PURGE
-    + """
-local ns, rid, epoch = ARGV[1], ARGV[2], ARGV[3]
-if redis.call('HGET', ns .. ':replicas', rid) ~= epoch then return -1 end
-if ARGV[4] == '1' then purge(ns, rid) end
-local n_stored = tonumber(ARGV[5])
-local rkey = ns .. ':r:' .. rid
-for i = 6, 5 + n_stored do
-  redis.call('SADD', ns .. ':b:' .. ARGV[i], rid)
-  redis.call('SADD', rkey, ARGV[i])
-end
-for i = 6 + n_stored, #ARGV do
-  redis.call('SREM', ns .. ':b:' .. ARGV[i], rid)
-  redis.call('SREM', rkey, ARGV[i])
-end
-return redis.call('SCARD', rkey)
-"""
-)
-
-# ARGV: ns, hashes... Returns {rid, length, ...} for every live replica, where length is the
-# number of leading hashes it holds (stopping at its first miss). Each replica's own block set
-# is probed with SMISMEMBER in chunks that grow, so a short match costs one small call.
-_QUERY = """
-local ns = ARGV[1]
-local n = #ARGV - 1
-local reg = redis.call('HGETALL', ns .. ':replicas')
-local flat = {}
-for i = 1, #reg, 2 do
-  local rid = reg[i]
-  if redis.call('GET', ns .. ':hb:' .. rid) == reg[i + 1] then
-    local rkey, held, first, size = ns .. ':r:' .. rid, 0, 1, 8
-    while first <= n do
-      local last = math.min(first + size - 1, n)
-      local found = redis.call('SMISMEMBER', rkey, unpack(ARGV, first + 1, last + 1))
-      local run = 0
-      while run < #found and found[run + 1] == 1 do run = run + 1 end
-      held = held + run
-      if run < #found then break end
-      first, size = last + 1, math.min(size * 4, 1024)
-    end
-    flat[#flat + 1] = rid
-    flat[#flat + 1] = held
-  end
-end
-return flat
-"""
-
-# ARGV: ns. Purges and forgets every registered replica whose heartbeat has expired.
-_REAP = (
-    _PURGE
-    + """
-local ns = ARGV[1]
-local reg = redis.call('HGETALL', ns .. ':replicas')
-local reaped = 0
-for i = 1, #reg, 2 do
-  if redis.call('GET', ns .. ':hb:' .. reg[i]) ~= reg[i + 1] then
-    purge(ns, reg[i])
-    redis.call('HDEL', ns .. ':replicas', reg[i])
-    reaped = reaped + 1
-  end
-end
-return reaped
-"""
-)
+    url: str = "redis://127.0.0.1:6379/0"
+    cluster: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$")
+    heartbeat_ttl_s: float = Field(3.0, gt=0)
+    heartbeat_interval_s: float = Field(0.5, gt=0)
+    timeout_s: float = Field(0.05, gt=0, description="per Redis command")
+    connect_timeout_s: float = Field(0.05, gt=0)
+    retry_after_s: float = Field(1.0, ge=0, description="pause after a failure before retrying")
+    max_pending_hashes: int = Field(
+        65_536, gt=0, description="unsent changes kept before falling back to a resync"
+    )
 
 
 class StaleEpochError(RuntimeError):
@@ -186,15 +93,15 @@ class BlockIndex:
         self._scripts = {
             name: self._redis.register_script(src)
             for name, src in (
-                ("register", _REGISTER),
-                ("deregister", _DEREGISTER),
-                ("heartbeat", _HEARTBEAT),
-                ("publish", _PUBLISH),
-                ("query", _QUERY),
-                ("reap", _REAP),
+                ("register", scripts.REGISTER),
+                ("deregister", scripts.DEREGISTER),
+                ("heartbeat", scripts.HEARTBEAT),
+                ("publish", scripts.PUBLISH),
+                ("query", scripts.QUERY),
+                ("reap", scripts.REAP),
             )
         }
-        self._aquery = self._aredis.register_script(_QUERY)
+        self._aquery = self._aredis.register_script(scripts.QUERY)
         self.counters = IndexCounters()
         self._skip_until = 0.0
         self._lock = threading.Lock()
@@ -289,9 +196,6 @@ class BlockIndex:
 
     def close(self) -> None:
         self._redis.close()
-
-    async def aclose(self) -> None:
-        await self._aredis.aclose()
 
     # -- internals ----------------------------------------------------------------------------
 

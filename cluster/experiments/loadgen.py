@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from cluster.workloads import TraceRequest
+from cluster.experiments.workloads import TraceRequest
 
 
 @dataclass

@@ -37,7 +37,9 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class _SamplingFields(BaseModel):
+class _CommonRequest(BaseModel):
+    """The fields both endpoints take: model, sampling, streaming, stop and cache salt."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str
@@ -57,7 +59,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported")
 
     @model_validator(mode="after")
-    def _check_stop(self) -> _SamplingFields:
+    def _check_stop(self) -> _CommonRequest:
         stops = self.stop_list
         if len(stops) > 4 or any(not s or len(s) > 256 for s in stops):
             raise ValueError("stop: at most 4 non-empty strings of at most 256 characters")
@@ -70,7 +72,7 @@ class _SamplingFields(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_CommonRequest):
     prompt: str | list[int] | list[str] = Field(
         description="text, token ids, or a list holding one text"
     )
@@ -87,7 +89,7 @@ class CompletionRequest(_SamplingFields):
         return self
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = Field(False, description="not supported")

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cluster.loadgen import RequestResult
-from cluster.workloads import TraceRequest
+from cluster.experiments.loadgen import RequestResult
+from cluster.experiments.workloads import TraceRequest
 from replica.config import EngineConfig
 from replica.engine import Engine, RequestOutput
 from replica.model_runner import ModelRunner
@@ -45,9 +45,11 @@ class CostModel:
     measured: str = ""
 
     def step_time(self, batch: ScheduledBatch) -> float:
-        prefill = sum(n for n in batch.num_new_tokens if n > 1)
-        decodes = sum(1 for n in batch.num_new_tokens if n == 1)
-        return self.base_s + self.prefill_token_s * prefill + self.decode_seq_s * decodes
+        return (
+            self.base_s
+            + self.prefill_token_s * batch.num_prefill_tokens
+            + self.decode_seq_s * batch.num_decodes
+        )
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -72,9 +74,7 @@ def calibrate(config: EngineConfig, seed: int = 0) -> CostModel:
             t0 = time.perf_counter()
             logits = self.real.execute(batch)
             elapsed = time.perf_counter() - t0
-            prefill = sum(n for n in batch.num_new_tokens if n > 1)
-            decodes = sum(1 for n in batch.num_new_tokens if n == 1)
-            self.samples.append((prefill, decodes, elapsed))
+            self.samples.append((batch.num_prefill_tokens, batch.num_decodes, elapsed))
             return logits
 
     runner = Timed()
@@ -145,6 +145,15 @@ class SimIndex:
         return answer
 
 
+@dataclass(frozen=True)
+class _Pending:
+    """A request that arrived: tokenized and hashed once, placed when a slot frees up."""
+
+    request: TraceRequest
+    routing: RoutingRequest
+    token_ids: list[int]
+
+
 @dataclass
 class SimReplica:
     replica_id: str
@@ -184,89 +193,92 @@ class Simulation:
 
     def run(self, trace: Sequence[TraceRequest]) -> tuple[list[RequestResult], float]:
         """Results in trace order, and the makespan (simulated seconds)."""
-        order = itertools.count()
-        events: list[tuple[float, int, str, object]] = []
+        self._events: list[tuple[float, int, str, object]] = []
+        self._order = itertools.count()
+        self._waiting: deque[_Pending] = deque()
+        self._results = {r.request_id: RequestResult(r.request_id, r.group, 200) for r in trace}
+        self._arrival = {r.request_id: r.arrival_s for r in trace}
+        self._last_token: dict[str, float] = {}
         for req in trace:
-            heapq.heappush(events, (req.arrival_s, next(order), "arrive", req))
-        results = {r.request_id: RequestResult(r.request_id, r.group, status=200) for r in trace}
-        waiting: deque[tuple[TraceRequest, RoutingRequest, list[int]]] = deque()
-        last_token: dict[str, float] = {}
-        arrival = {r.request_id: r.arrival_s for r in trace}
+            self._push(req.arrival_s, "arrive", req)
         now = 0.0
-
-        def place(req: TraceRequest, routing: RoutingRequest, ids: list[int], t: float) -> bool:
-            loads = [
-                ReplicaLoad(rid, r.engine.scheduler.num_unfinished)
-                for rid, r in self.replicas.items()
-            ]
-            answer = (
-                self.index.query(routing.block_hashes, list(self.replicas))
-                if self.policy.name == "cache_aware"
-                else None
-            )
-            for rid in self.policy.rank(routing, loads, answer):
-                replica = self.replicas[rid]
-                if replica.engine.scheduler.num_unfinished < self.max_ongoing:
-                    self.policy.on_routed(rid)
-                    params = SamplingParams(max_tokens=req.max_tokens, ignore_eos=True)
-                    replica.engine.add_request(req.request_id, ids, params, arrival_time=t)
-                    results[req.request_id].replica = rid
-                    if not replica.stepping:
-                        replica.stepping = True
-                        start = max(t, replica.clock.now)
-                        heapq.heappush(events, (start, next(order), "step", rid))
-                    return True
-            return False
-
-        while events:
-            now, _, kind, item = heapq.heappop(events)
+        while self._events:
+            now, _, kind, item = heapq.heappop(self._events)
             if kind == "arrive":
                 assert isinstance(item, TraceRequest)
-                ids = self.tokenizer.encode(item.prompt)
-                chain = self.hasher.chain(ids)
-                key = self.hasher.affinity_key(ids, self.affinity_blocks, chain=chain)
-                routing = RoutingRequest(chain, key, len(ids), self.hasher.block_size)
-                if waiting or not place(item, routing, ids, now):
-                    waiting.append((item, routing, ids))
-                continue
-            replica = self.replicas[str(item)]
-            replica.clock.now = now
-            finished = False
-            for out in replica.engine.step():
-                finished |= self._record(
-                    results[out.request_id], out, arrival, last_token, replica.clock.now
-                )
-            if replica.engine.has_unfinished_requests():
-                heapq.heappush(events, (replica.clock.now, next(order), "step", replica.replica_id))
+                self._arrive(item, now)
             else:
-                replica.stepping = False
-            if finished:
-                while waiting and place(*waiting[0], replica.clock.now):
-                    waiting.popleft()
+                self._step(self.replicas[str(item)], now)
         makespan = max((r.clock.now for r in self.replicas.values()), default=now)
-        return [results[r.request_id] for r in trace], makespan
+        return [self._results[r.request_id] for r in trace], makespan
+
+    def _push(self, t: float, kind: str, item: object) -> None:
+        heapq.heappush(self._events, (t, next(self._order), kind, item))
+
+    def _arrive(self, req: TraceRequest, now: float) -> None:
+        """Tokenize and hash once, then place the request, or queue it behind the others."""
+        ids = self.tokenizer.encode(req.prompt)
+        chain = self.hasher.chain(ids)
+        key = self.hasher.affinity_key(ids, self.affinity_blocks, chain=chain)
+        pending = _Pending(req, RoutingRequest(chain, key, len(ids), self.hasher.block_size), ids)
+        if self._waiting or not self._place(pending, now):
+            self._waiting.append(pending)
+
+    def _step(self, replica: SimReplica, now: float) -> None:
+        """One engine step on ``replica``; a finished request frees a slot for the queue."""
+        replica.clock.now = now
+        finished = False
+        for out in replica.engine.step():
+            finished |= self._record(out, replica.clock.now)
+        if replica.engine.has_unfinished_requests():
+            self._push(replica.clock.now, "step", replica.replica_id)
+        else:
+            replica.stepping = False
+        if finished:
+            while self._waiting and self._place(self._waiting[0], replica.clock.now):
+                self._waiting.popleft()
+
+    def _place(self, pending: _Pending, t: float) -> bool:
+        """Send a request to the best-ranked replica with a free slot, as Serve would."""
+        loads = [
+            ReplicaLoad(rid, r.engine.scheduler.num_unfinished) for rid, r in self.replicas.items()
+        ]
+        answer = (
+            self.index.query(pending.routing.block_hashes, list(self.replicas))
+            if self.policy.name == "cache_aware"
+            else None
+        )
+        for rid in self.policy.rank(pending.routing, loads, answer):
+            replica = self.replicas[rid]
+            if replica.engine.scheduler.num_unfinished >= self.max_ongoing:
+                continue
+            self.policy.on_routed(rid)
+            req = pending.request
+            params = SamplingParams(max_tokens=req.max_tokens, ignore_eos=True)
+            replica.engine.add_request(req.request_id, pending.token_ids, params, arrival_time=t)
+            self._results[req.request_id].replica = rid
+            if not replica.stepping:
+                replica.stepping = True
+                self._push(max(t, replica.clock.now), "step", rid)
+            return True
+        return False
 
     def engine_hit_rate(self) -> float:
         prompt = sum(r.engine.metrics.prompt_tokens for r in self.replicas.values())
         cached = sum(r.engine.metrics.cached_prompt_tokens for r in self.replicas.values())
         return cached / prompt if prompt else 0.0
 
-    @staticmethod
-    def _record(
-        result: RequestResult,
-        out: RequestOutput,
-        arrival: dict[str, float],
-        last_token: dict[str, float],
-        t: float,
-    ) -> bool:
-        if out.request_id not in last_token:
-            result.ttft_s = t - arrival[out.request_id]
+    def _record(self, out: RequestOutput, t: float) -> bool:
+        result = self._results[out.request_id]
+        arrival = self._arrival[out.request_id]
+        if out.request_id not in self._last_token:
+            result.ttft_s = t - arrival
             result.prompt_tokens = out.num_prompt_tokens
             result.cached_tokens = out.num_cached_tokens
         else:
-            result.itl_s.append(t - last_token[out.request_id])
-        last_token[out.request_id] = t
+            result.itl_s.append(t - self._last_token[out.request_id])
+        self._last_token[out.request_id] = t
         result.completion_tokens = len(out.token_ids)
         if out.finished:
-            result.latency_s = t - arrival[out.request_id]
+            result.latency_s = t - arrival
         return out.finished

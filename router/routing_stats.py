@@ -2,18 +2,19 @@
 
 Kept apart from ``router.serve_router`` on purpose: Serve pickles the router's module by
 value, so state that must be shared with the ingress (and anything holding a lock) lives here
-and is reached as ``metrics.STATE``, never imported into the router's namespace.
+and is reached as ``routing_stats.STATE``, never imported into the router's namespace.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import deque
+from dataclasses import asdict
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from replica.metrics import percentile
+from replica.stats import percentile
 
 ROUTED = Counter(
     "prefix_serve_routed_requests", "Requests sent to each engine replica", ["replica", "policy"]
@@ -31,8 +32,8 @@ _REPLICA_KEYS = (
     "blocks_free",
     "blocks_cached",
     "blocks_in_use",
-    "running",
-    "waiting",
+    "num_running",
+    "num_waiting",
     "preemptions",
 )
 REPLICA_GAUGES = {
@@ -79,9 +80,12 @@ class RouterState:
         ROUTED.labels(replica_id, self.policy).inc()
 
     def snapshot(self) -> dict[str, Any]:
+        router = self._router() if self._router is not None else None
+        index = getattr(router, "index", None)
         return {
             "policy": self.policy,
             "routed": dict(self.routed),
+            "index": asdict(index.counters) if index is not None else None,
             "replicas": self.replica_stats(),
             "decision_p50_s": percentile(self.decision_s, 50),
             "decision_p99_s": percentile(self.decision_s, 99),

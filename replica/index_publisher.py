@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from cluster.index import BlockIndex, StaleEpochError
+from replica.index import BlockIndex, StaleEpochError
 from replica.prefix_cache import CacheEvents
 
 log = logging.getLogger(__name__)
