@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from replica.checkpoints import SMOLLM2
 from replica.config import EngineConfig
 from replica.deployment import ReplicaArgs
 from replica.index import IndexConfig
@@ -19,7 +20,10 @@ class ClusterArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    engine: EngineConfig = EngineConfig(num_threads=1)
+    engine: EngineConfig = Field(
+        default_factory=lambda: EngineConfig(model=SMOLLM2, num_threads=1),
+        description="the engine of every replica; the real chat model by default",
+    )
     num_replicas: int = Field(2, gt=0)
     replica_num_cpus: float = Field(0.5, gt=0)
     ingress_num_cpus: float = Field(0.1, gt=0)

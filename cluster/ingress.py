@@ -27,12 +27,12 @@ from cluster.api_errors import (
     replica_failed,
 )
 from cluster.api_models import ChatCompletionRequest, CompletionRequest
-from cluster.chat_template import render_chat
 from cluster.config import ClusterArgs
 from cluster.responses import ReleasingStreamingResponse, Reply, cancel
+from replica.checkpoints import checkpoint_for
 from replica.messages import EngineChunk, EngineRequest
 from replica.sampling_params import SamplingParams
-from replica.tokenizer import ByteTokenizer
+from replica.tokenizer import IncrementalDetokenizer
 from router import routing_stats
 
 app = FastAPI(title="prefix-serve", description="OpenAI-compatible, prefix-aware serving")
@@ -94,7 +94,7 @@ class Ingress:
     def __init__(self, engine: DeploymentHandle, args: dict[str, Any] | ClusterArgs) -> None:
         self.args = ClusterArgs.model_validate(args)
         self.engine = engine.options(stream=True)
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = checkpoint_for(self.args.engine.model).tokenizer()
         self.hasher = self.args.engine.block_hasher()
         self.model_id = self.args.engine.model_id
         self.started = int(time.time())
@@ -107,8 +107,14 @@ class Ingress:
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        card = {"id": self.model_id, "object": "model", "created": self.started}
-        return {"object": "list", "data": [{**card, "owned_by": "prefix-serve"}]}
+        card = {
+            "id": self.model_id,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "prefix-serve",
+            "max_model_len": self.args.engine.context_len,
+        }
+        return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -130,7 +136,7 @@ class Ingress:
         if isinstance(prompt, str):
             ids, text = self.tokenizer.encode(prompt), prompt
         else:
-            vocab = self.args.engine.model.vocab_size
+            vocab = self.args.engine.shape.vocab_size
             if not prompt or any(not 0 <= t < vocab for t in prompt):
                 raise APIError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
             ids, text = list(prompt), ""
@@ -141,8 +147,12 @@ class Ingress:
     async def chat_completions(
         self, body: ChatCompletionRequest, request: Request
     ) -> JSONResponse | StreamingResponse:
-        text = render_chat(body.messages)
-        ids = self.tokenizer.encode(text)
+        messages = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text}
+            for m in body.messages
+        ]
+        text = self.tokenizer.render_chat(messages)
+        ids = self.tokenizer.encode_chat(text)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # as much as fits, up to the limit
             room = self.args.engine.context_len - len(ids)
@@ -177,7 +187,10 @@ class Ingress:
             start = time.monotonic()
             stream, first = await _start(self.engine, request)
             api_metrics.TTFT.observe(time.monotonic() - start)
-            reply = Reply(kind, self.model_id, body, len(request.prompt_token_ids), first)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+            reply = Reply(
+                kind, self.model_id, body, detokenizer, len(request.prompt_token_ids), first
+            )
             headers = {"x-replica-id": first.replica_id}
             if body.stream:
                 response = ReleasingStreamingResponse(

@@ -17,6 +17,7 @@ from cluster import api_metrics
 from cluster.api_models import ChatCompletionRequest, CompletionRequest
 from cluster.textstream import TextStream
 from replica.messages import EngineChunk
+from replica.tokenizer import IncrementalDetokenizer
 
 
 class Reply:
@@ -27,13 +28,14 @@ class Reply:
         kind: str,
         model: str,
         body: CompletionRequest | ChatCompletionRequest,
+        detokenizer: IncrementalDetokenizer,
         num_prompt_tokens: int,
         first: EngineChunk,
     ) -> None:
         self.kind, self.model, self.request = kind, model, body
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.text = TextStream(body.stop_list)
+        self.text = TextStream(detokenizer, body.stop_list)
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached = first.num_cached_tokens
         self.completion_tokens = 0

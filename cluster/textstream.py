@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-import codecs
 from collections.abc import Sequence
+
+from replica.tokenizer import IncrementalDetokenizer
 
 
 class TextStream:
-    """Decodes byte tokens incrementally and cuts the text at the first stop string.
+    """Decodes generated tokens incrementally and cuts the text at the first stop string.
 
     Text that could still turn out to be the start of a stop string is held back until it
-    cannot, so a stream never shows a stop string (OpenAI's behaviour). Multi-byte UTF-8
-    characters split across tokens are emitted once complete.
+    cannot, so a stream never shows a stop string (OpenAI's behaviour). Characters split
+    across tokens are emitted once complete (``IncrementalDetokenizer``).
     """
 
-    def __init__(self, stop: Sequence[str] = ()) -> None:
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    def __init__(self, detokenizer: IncrementalDetokenizer, stop: Sequence[str] = ()) -> None:
+        self._detokenizer = detokenizer
         self._stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._text = ""
@@ -26,7 +27,7 @@ class TextStream:
         """Add tokens; return the text that is now safe to show."""
         if self.stopped:
             return ""
-        self._text += self._decoder.decode(bytes(t for t in token_ids if t < 256))
+        self._text += self._detokenizer.push(token_ids)
         cut = self._first_stop()
         if cut is not None:
             self.stopped = True
@@ -37,7 +38,7 @@ class TextStream:
         """The held-back rest, once the request has finished."""
         if self.stopped:
             return ""
-        self._text += self._decoder.decode(b"", final=True)
+        self._text += self._detokenizer.flush()
         cut = self._first_stop()
         self.stopped = cut is not None
         return self._emit(len(self._text) if cut is None else cut)

@@ -83,6 +83,7 @@ class Engine:
         )
         self.runner = runner if runner is not None else ModelRunner(config)
         self.clock = clock
+        self._eos_token_ids = frozenset(config.shape.eos_token_ids)
         self.sampler = Sampler(config.seed)
         self.metrics = EngineMetrics()
         self._seqs: dict[str, Sequence] = {}
@@ -223,7 +224,7 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not tokens:
             raise InvalidRequestError("the prompt is empty")
-        vocab = cfg.model.vocab_size
+        vocab = cfg.shape.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
             raise InvalidRequestError(f"token ids must be integers in [0, {vocab})")
         if len(tokens) + params.max_tokens > cfg.context_len:
@@ -257,7 +258,7 @@ class Engine:
         seq.token_ids.append(token)
         params = seq.params
         if token in params.stop_token_ids or (
-            token == self.config.model.eos_token_id and not params.ignore_eos
+            token in self._eos_token_ids and not params.ignore_eos
         ):
             seq.finish_reason = "stop"
         elif seq.num_output_tokens >= params.max_tokens:

@@ -1,18 +1,16 @@
 """A Llama-family decoder (RMSNorm, RoPE, SwiGLU, grouped KV heads) over the paged KV cache.
 
-Parameter names follow Hugging Face's ``LlamaForCausalLM``, so a local checkpoint loads with
-``load_hf_weights``; by default the weights are seeded random (about 6M parameters).
+Parameter names follow Hugging Face's ``LlamaForCausalLM``, so any checkpoint's weights load
+with ``load_weights`` (``replica.checkpoints``); without one they are seeded random.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from replica.attention import AttentionMetadata, KVCache, paged_attention
-from replica.config import ModelConfig
+from replica.model_shape import ModelConfig
 
 
 class RMSNorm(nn.Module):
@@ -149,19 +147,17 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-
-def load_hf_weights(model: LlamaForCausalLM, folder: str | Path) -> None:
-    """Load ``*.safetensors`` of a Hugging Face Llama checkpoint into ``model`` (strict)."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {folder}")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(str(file)))
-    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state, strict=True)
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face ``LlamaForCausalLM`` weights (strict: every name, every shape);
+        a tied checkpoint may leave ``lm_head.weight`` out."""
+        state = dict(state)
+        if self.config.tie_word_embeddings:
+            state["lm_head.weight"] = state.get("model.embed_tokens.weight")
+        missing = sorted(set(self.state_dict()) - set(state))
+        unexpected = sorted(set(state) - set(self.state_dict()))
+        if missing or unexpected:
+            raise ValueError(
+                f"weights do not fit a Llama model: missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]}"
+            )
+        self.load_state_dict(state, strict=True)

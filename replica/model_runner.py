@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from replica.attention import AttentionMetadata, KVCache, PrefillSpan
+from replica.checkpoints import CheckpointError, checkpoint_for
 from replica.config import EngineConfig
-from replica.model import LlamaForCausalLM, load_hf_weights
+from replica.model import LlamaForCausalLM
 from replica.scheduler import ScheduledBatch
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -19,13 +20,18 @@ class ModelRunner:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         dtype = _DTYPES[config.dtype]
-        model = LlamaForCausalLM(config.model)
-        if config.model_path is not None:
-            load_hf_weights(model, config.model_path)
-        else:
+        checkpoint = checkpoint_for(config.model)
+        model = LlamaForCausalLM(config.shape)
+        state = checkpoint.state_dict()
+        if state is None:
             model.init_random(config.seed)
+        else:
+            try:
+                model.load_weights(state)
+            except (ValueError, RuntimeError) as exc:  # names or shapes that do not fit
+                raise CheckpointError(f"{checkpoint.name}: {exc}") from None
         self.model = model.to(dtype).eval()
-        m = config.model
+        m = config.shape
         self.kv_cache = KVCache(
             m.num_layers, config.num_blocks, config.block_size, m.num_kv_heads, m.head_dim, dtype
         )

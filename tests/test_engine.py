@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 import replica.hashing
 from replica.engine import Engine, EngineConfig, InvalidRequestError, SamplingParams
+from replica.hf_checkpoint import hf_config
 from replica.model import LlamaForCausalLM
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -109,7 +110,7 @@ def test_stop_conditions() -> None:
     assert cut.finish_reason == "stop"
     assert cut.token_ids == free_run.token_ids[: free_run.token_ids.index(stop_at) + 1]
 
-    eos_engine = Engine(EngineConfig(model={"eos_token_id": stop_at}))
+    eos_engine = Engine(EngineConfig(model={"eos_token_ids": [stop_at]}))
     at_eos = eos_engine.generate([prompt], SamplingParams(max_tokens=12))[0]
     assert at_eos.finish_reason == "stop" and at_eos.token_ids[-1] == stop_at
     ignored = eos_engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
@@ -187,29 +188,14 @@ def test_events_let_an_observer_track_the_cached_set_exactly() -> None:
     assert view == set() == engine.cached_block_hashes()
 
 
-def test_real_llama_weights_load_from_a_hugging_face_folder(tmp_path) -> None:
+def test_weights_load_from_a_hugging_face_folder(tmp_path) -> None:
     source = Engine(EngineConfig(seed=42))
     model: LlamaForCausalLM = source.runner.model
     weights = {k: v.contiguous() for k, v in model.state_dict().items()}
     save_file(weights, tmp_path / "model.safetensors")
-    cfg = model.config
-    (tmp_path / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "vocab_size": cfg.vocab_size,
-                "hidden_size": cfg.hidden_size,
-                "num_hidden_layers": cfg.num_layers,
-                "num_attention_heads": cfg.num_heads,
-                "num_key_value_heads": cfg.num_kv_heads,
-                "intermediate_size": cfg.intermediate_size,
-                "max_position_embeddings": cfg.max_position,
-                "bos_token_id": cfg.bos_token_id,
-                "eos_token_id": cfg.eos_token_id,
-            }
-        )
-    )
-    loaded = Engine(EngineConfig(seed=0, model_path=str(tmp_path)))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(model.config)))
+    loaded = Engine(EngineConfig(seed=0, model=str(tmp_path)))
+    assert loaded.config.model_id == tmp_path.name
     prompts = shared_prefix_prompts(3)
     assert [o.token_ids for o in loaded.generate(prompts, GREEDY)] == [
         o.token_ids for o in source.generate(prompts, GREEDY)

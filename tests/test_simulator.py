@@ -5,6 +5,7 @@ from __future__ import annotations
 from cluster.experiments.simulator import CostModel, Simulation, calibrate
 from cluster.experiments.workloads import WorkloadSpec, make_trace, oracle_hit_rate
 from replica.config import EngineConfig
+from replica.tokenizer import ByteTokenizer
 from router.policies import make_policy
 
 COST = CostModel(base_s=0.008, prefill_token_s=0.0004, decode_seq_s=0.001)
@@ -27,7 +28,10 @@ def test_every_request_completes_and_the_books_balance() -> None:
         for replica in sim.replicas.values():
             replica.engine.check_invariants()
             assert replica.engine.stats().blocks_in_use == 0
-        assert sim.engine_hit_rate() <= oracle_hit_rate(trace, ENGINE.block_hasher()) + 1e-9
+        assert (
+            sim.engine_hit_rate()
+            <= oracle_hit_rate(trace, ENGINE.block_hasher(), ByteTokenizer()) + 1e-9
+        )
 
 
 def test_the_simulation_is_deterministic() -> None:

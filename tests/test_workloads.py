@@ -19,8 +19,10 @@ from cluster.experiments.workloads import (
     save_trace,
 )
 from replica.hashing import BlockHasher
+from replica.tokenizer import ByteTokenizer
 
 HASHER = BlockHasher(16, "tiny-llama-6m")
+BYTES = ByteTokenizer()
 
 
 @pytest.mark.parametrize("workload", WORKLOADS)
@@ -77,6 +79,6 @@ def test_multi_turn_resends_the_growing_history() -> None:
 def test_oracle_hit_rate() -> None:
     same = TraceRequest("a", 0.0, "x" * 32, 4), TraceRequest("b", 1.0, "x" * 32, 4)
     # BOS + 32 bytes = 33 tokens: the second prompt reuses (33 - 1) // 16 = 2 blocks
-    assert oracle_hit_rate(same, HASHER) == pytest.approx(32 / 66)
-    assert oracle_hit_rate(make_trace(WorkloadSpec("random", 100)), HASHER) == 0.0
-    assert oracle_hit_rate(make_trace(WorkloadSpec("chat", 100)), HASHER) > 0.8
+    assert oracle_hit_rate(same, HASHER, BYTES) == pytest.approx(32 / 66)
+    assert oracle_hit_rate(make_trace(WorkloadSpec("random", 100)), HASHER, BYTES) == 0.0
+    assert oracle_hit_rate(make_trace(WorkloadSpec("chat", 100)), HASHER, BYTES) > 0.8

@@ -11,11 +11,11 @@ from typing import Any
 import torch
 
 from cluster.experiments.workloads import TraceRequest, WorkloadSpec, make_trace
+from replica.checkpoints import checkpoint_for
 from replica.engine import Engine, EngineConfig, SamplingParams
 from replica.hashing import BlockHasher
 from replica.model_runner import ModelRunner
 from replica.stats import EngineMetrics, percentile
-from replica.tokenizer import ByteTokenizer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +66,7 @@ class Run:
 
 def replay(engine: Engine, trace: list[TraceRequest]) -> Run:
     """Drive the engine open-loop: each request is added when its arrival time has passed."""
-    tokenizer = ByteTokenizer()
+    tokenizer = checkpoint_for(engine.config.model).tokenizer()
     pending = sorted(trace, key=lambda r: r.arrival_s)
     start = time.monotonic()
     i = 0

@@ -31,6 +31,7 @@ from cluster.experiments.workloads import (
     oracle_hit_rate,
     save_trace,
 )
+from replica.checkpoints import TINY_MODEL, checkpoint_for
 from replica.config import EngineConfig
 from replica.index import BlockIndex, IndexConfig
 from router.config import RoutingConfig
@@ -41,6 +42,9 @@ POLICIES = ("round_robin", "prefix_affinity", "cache_aware", "ray_default", "ray
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """Trace options shared with the simulator."""
     parser.add_argument("--workload", choices=WORKLOADS, default="multi_tenant")
+    parser.add_argument(
+        "--model", default=TINY_MODEL, help="EngineConfig.model (the tiny model is fastest)"
+    )
     parser.add_argument("--trace", type=Path, help="replay this JSONL trace instead")
     parser.add_argument("--requests", type=int, default=120)
     parser.add_argument("--rates", default="4", help="arrival rates per second, comma-separated")
@@ -90,8 +94,8 @@ def section_name(rate: float) -> str:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out = args.out or Path(f"results/routing-{args.workload}")
     policies = [p for p in args.policies.split(",") if p]
-    engine = EngineConfig(num_threads=1, num_blocks=args.num_blocks)
-    hasher = engine.block_hasher()
+    engine = EngineConfig(model=args.model, num_threads=1, num_blocks=args.num_blocks)
+    hasher, tokenizer = engine.block_hasher(), checkpoint_for(engine.model).tokenizer()
     payload: dict[str, Any] = {
         "title": f"Routing policies on the real cluster: {args.workload}, {args.replicas} replicas",
         "workload": vars(args) | {"out": str(out), "trace": str(args.trace)},
@@ -104,7 +108,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             section = section_name(rate)
             out.mkdir(parents=True, exist_ok=True)
             save_trace(out / f"trace-{slug(section)}.jsonl", trace)
-            oracle = oracle_hit_rate(trace, hasher)
+            oracle = oracle_hit_rate(trace, hasher, tokenizer)
             payload["oracle"][section] = oracle
             payload["runs"][section] = {}
             for policy in policies:

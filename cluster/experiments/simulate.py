@@ -17,6 +17,7 @@ from cluster.experiments.report import summarize, write_report
 from cluster.experiments.routing import add_workload_arguments, section_name, traces
 from cluster.experiments.simulator import DEFAULT_CALIBRATION, CostModel, Simulation, calibrate
 from cluster.experiments.workloads import oracle_hit_rate
+from replica.checkpoints import checkpoint_for
 from replica.config import EngineConfig
 from router.policies import BoundedLoad, make_policy
 
@@ -34,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out = args.out or Path(f"results/simulate-{args.workload}")
-    engine = EngineConfig(num_threads=1, num_blocks=args.num_blocks)
+    engine = EngineConfig(model=args.model, num_threads=1, num_blocks=args.num_blocks)
+    tokenizer = checkpoint_for(engine.model).tokenizer()
     if args.calibrate:
         cost = calibrate(engine)
         cost.save(args.cost_model)
@@ -59,7 +61,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         for rate, trace in traces(scaled).items():
             section = f"{replicas} replicas, {section_name(rate)}"
-            oracle = oracle_hit_rate(trace, engine.block_hasher())
+            oracle = oracle_hit_rate(trace, engine.block_hasher(), tokenizer)
             payload["oracle"][section] = oracle
             payload["runs"][section] = {}
             for policy in policies:

@@ -24,13 +24,13 @@ import torch
 
 from cluster.experiments.loadgen import RequestResult
 from cluster.experiments.workloads import TraceRequest
+from replica.checkpoints import checkpoint_for
 from replica.config import EngineConfig
 from replica.engine import Engine, RequestOutput
 from replica.model_runner import ModelRunner
 from replica.prefix_cache import CacheEvents
 from replica.sampling_params import SamplingParams
 from replica.scheduler import ScheduledBatch
-from replica.tokenizer import ByteTokenizer
 from router.policies import ReplicaLoad, RoutingPolicy, RoutingRequest
 
 
@@ -177,7 +177,7 @@ class Simulation:
         self.policy = policy
         self.config = config
         self.hasher = config.block_hasher()
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = checkpoint_for(config.model).tokenizer()
         self.max_ongoing = max_ongoing_requests
         self.affinity_blocks = affinity_blocks
         self.index = SimIndex()
@@ -186,7 +186,7 @@ class Simulation:
             rid = f"sim-{i:04d}"
             clock = _Clock()
             engine = Engine(
-                config, runner=_CostRunner(cost, clock, config.model.vocab_size), clock=clock
+                config, runner=_CostRunner(cost, clock, config.shape.vocab_size), clock=clock
             )
             engine.subscribe(self.index.listener(rid))
             self.replicas[rid] = SimReplica(rid, engine, clock)

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from replica.hashing import BlockHasher
-from replica.tokenizer import ByteTokenizer
+from replica.tokenizer import Tokenizer
 
 _WORDS = tuple(
     "the a assistant user answer question always never please tool call result json "
@@ -187,11 +187,12 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
         return [TraceRequest(**json.loads(line)) for line in f if line.strip()]
 
 
-def oracle_hit_rate(trace: Sequence[TraceRequest], hasher: BlockHasher) -> float:
+def oracle_hit_rate(
+    trace: Sequence[TraceRequest], hasher: BlockHasher, tokenizer: Tokenizer
+) -> float:
     """The fraction of prompt tokens an infinite single cache would serve: full prompt
     blocks seen before (in arrival order), at least one token always recomputed. No
     routing policy on any number of replicas can do better on this trace."""
-    tokenizer = ByteTokenizer()
     seen: set[bytes] = set()
     cached = total = 0
     for req in sorted(trace, key=lambda r: r.arrival_s):

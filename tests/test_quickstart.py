@@ -1,0 +1,106 @@
+"""The quick start, for real: the default config (SmolLM2-135M-Instruct, 2 replicas) under
+`serve run`, and the README's openai SDK snippet run as written, against it.
+
+Only the ports differ from `make serve`: the HTTP port is a free one and the index uses a
+test redis-server, so the test never touches a cluster a person is running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+from conftest import keep_logs
+
+from cluster.config import ClusterArgs
+from cluster.experiments.launcher import ServeCluster
+from cluster.experiments.redis_server import LocalRedis
+from replica.checkpoints import SMOLLM2
+from replica.index import IndexConfig
+
+REPO = Path(__file__).resolve().parent.parent
+SNIPPET_MARK = "<!-- quickstart-snippet"
+
+
+def default_args(redis_url: str) -> ClusterArgs:
+    config = yaml.safe_load((REPO / "deploy" / "config.yaml").read_text())
+    args = ClusterArgs.model_validate(config["applications"][0]["args"])
+    return args.model_copy(update={"index": IndexConfig(url=redis_url, cluster="quickstart")})
+
+
+def readme_snippet() -> str:
+    readme = (REPO / "README.md").read_text()
+    after = readme[readme.index(SNIPPET_MARK) :]
+    return re.search(r"```python\n(.*?)```", after, re.S).group(1)
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server: LocalRedis, request: pytest.FixtureRequest) -> Iterator[ServeCluster]:
+    failed = request.session.testsfailed
+    c = ServeCluster(default_args(redis_server.url)).start(timeout_s=300)
+    yield c
+    c.stop(keep_logs=keep_logs(request, failed))
+
+
+def test_the_default_config_serves_smollm2(cluster: ServeCluster) -> None:
+    assert cluster.args.engine.model == SMOLLM2
+    models = httpx.get(f"{cluster.base_url}/v1/models").json()["data"]
+    assert [(m["id"], m["max_model_len"]) for m in models] == [(SMOLLM2, 8192)]
+
+
+def test_the_readme_snippet_answers_paris_and_then_hits_the_cache(cluster: ServeCluster) -> None:
+    code = readme_snippet().replace("http://127.0.0.1:8000/v1", f"{cluster.base_url}/v1")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "README.md quick start", "exec"), {})
+    answer, cached = printed.getvalue().splitlines()
+    assert "Paris" in answer
+    assert int(cached) > 0
+
+
+def test_streamed_text_equals_the_whole_reply_and_hides_the_end_token(
+    cluster: ServeCluster,
+) -> None:
+    client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "Write one short sentence about mountains 🏔️."}]
+    whole = client.chat.completions.create(
+        model=SMOLLM2, messages=messages, max_tokens=48, temperature=0
+    )
+    chunks = client.chat.completions.create(
+        model=SMOLLM2, messages=messages, max_tokens=48, temperature=0, stream=True
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    text = whole.choices[0].message.content
+    assert streamed == text and text
+    assert "<|im_end|>" not in text and "\ufffd" not in text
+    assert whole.choices[0].finish_reason == "stop"  # it ended at <|im_end|>, not the limit
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"prompt": "Hello " * 9000, "max_tokens": 8}, 400, "context_length_exceeded"),
+        ({"prompt": [1, 2, 49152], "max_tokens": 4}, 400, None),
+        ({"prompt": [1, 2, -1], "max_tokens": 4}, 400, None),
+        ({"model": "tiny-llama-6m", "prompt": "hi"}, 404, "model_not_found"),
+    ],
+)
+def test_bad_input_on_the_real_model_gets_an_openai_error(
+    cluster: ServeCluster, body: dict, status: int, code: str | None
+) -> None:
+    resp = httpx.post(
+        f"{cluster.base_url}/v1/completions", json={"model": SMOLLM2, **body}, timeout=60
+    )
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if code is not None:
+        assert error["code"] == code
+    assert "Traceback" not in resp.text

@@ -1,0 +1,161 @@
+"""SmolLM2-135M-Instruct: our engine computes exactly what transformers computes.
+
+The reference is ``transformers.LlamaForCausalLM`` (transformers 5.24, the version pinned in
+pyproject.toml) holding the same dequantized float32 weights, decoded by plain argmax over its
+logits (a loop with its KV cache, not ``generate``, which would read the checkpoint's
+generation config). Every case compares 32 greedy tokens per prompt, token for token, and the
+logits of every position within 1e-3.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache, LlamaConfig
+from transformers import LlamaForCausalLM as HFLlama
+
+from cluster.experiments.assistant_prompts import (
+    LONG_DOCUMENT,
+    SUPPORT_QUESTIONS,
+    SUPPORT_SYSTEM_PROMPT,
+)
+from replica.checkpoints import SMOLLM2, checkpoint_for
+from replica.engine import Engine, EngineConfig, SamplingParams
+from replica.hf_checkpoint import hf_config
+from replica.model_runner import ModelRunner
+from replica.scheduler import ScheduledBatch
+
+NEW_TOKENS = 32
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+LOGIT_TOLERANCE = 1e-3
+CONVERSATIONS = [
+    ("You are terse.", "What is the capital of France?"),
+    (SUPPORT_SYSTEM_PROMPT, SUPPORT_QUESTIONS[0]),
+    (SUPPORT_SYSTEM_PROMPT, SUPPORT_QUESTIONS[4]),
+    (SUPPORT_SYSTEM_PROMPT, "Summarise this report:\n" + LONG_DOCUMENT * 3),  # > 1,000 tokens
+    ("Réponds en français, avec des émojis 🇫🇷🏔️.", "Qu'est-ce que 日本の富士山 ? 🗻"),
+    ("You write Python.", "Write a function that reverses a string."),
+    ("Be helpful.", "List three colours."),
+    ("Ты полезный помощник.", "Сколько будет 2 + 2? Ответь кратко."),
+]
+
+
+class Recording:
+    """The real model runner, recording each step's logits per request."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.logits: dict[str, list[torch.Tensor]] = {}
+        self.batches: list[ScheduledBatch] = []
+
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        logits = self.runner.execute(batch)
+        self.batches.append(batch)
+        for seq, row in zip(batch.seqs, logits, strict=True):
+            self.logits.setdefault(seq.request_id, []).append(row.clone())
+        return logits
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return checkpoint_for(SMOLLM2)
+
+
+@pytest.fixture(scope="module")
+def prompts(checkpoint) -> list[list[int]]:
+    tok = checkpoint.tokenizer()
+    return [
+        tok.encode_chat(
+            tok.render_chat([{"role": "system", "content": s}, {"role": "user", "content": q}])
+        )
+        for s, q in CONVERSATIONS
+    ]
+
+
+@pytest.fixture(scope="module")
+def runner() -> ModelRunner:
+    return ModelRunner(EngineConfig(model=SMOLLM2, num_blocks=512))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, prompts) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """transformers' greedy tokens and per-position logits for every prompt."""
+    state = checkpoint.state_dict()
+    config = LlamaConfig(**hf_config(checkpoint.shape))
+    model = HFLlama(config).eval()
+    model.load_state_dict({**state, "lm_head.weight": state["model.embed_tokens.weight"]})
+    results = []
+    with torch.inference_mode():
+        for ids in prompts:
+            cache = DynamicCache(config=config)
+            out = model(torch.tensor([ids]), cache=cache, use_cache=True)
+            tokens, logits = [], [out.logits[0, -1].float()]
+            for _ in range(NEW_TOKENS):
+                tokens.append(int(logits[-1].argmax()))
+                out = model(torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
+                logits.append(out.logits[0, -1].float())
+            results.append((tokens, logits[:NEW_TOKENS]))
+    return results
+
+
+def engine_with(runner: ModelRunner, **config) -> tuple[Engine, Recording]:
+    recording = Recording(runner)
+    return Engine(EngineConfig(model=SMOLLM2, **config), runner=recording), recording
+
+
+def assert_matches(outs, recording: Recording, reference) -> None:
+    for out, (tokens, logits) in zip(outs, reference, strict=True):
+        assert out.token_ids == tokens
+        ours = recording.logits[out.request_id][-NEW_TOKENS:]
+        diffs = [float((a - b).abs().max()) for a, b in zip(ours, logits, strict=True)]
+        assert max(diffs) < LOGIT_TOLERANCE, diffs
+
+
+def test_the_prompts_cover_what_the_issue_asks(prompts) -> None:
+    assert transformers.__version__.startswith("5.24")
+    assert len(prompts) >= 8
+    assert max(len(p) for p in prompts) > 1000
+    assert len({len(p) for p in prompts}) == len(prompts)
+
+
+def test_each_prompt_alone_equals_transformers(runner, prompts, reference) -> None:
+    engine, recording = engine_with(runner, num_blocks=512)
+    outs = [engine.generate([p], GREEDY)[0] for p in prompts]
+    assert_matches(outs, recording, reference)
+    assert all(o.num_cached_tokens == 0 for o in outs[:2])
+
+
+def test_a_cached_system_prompt_changes_nothing(runner, prompts, reference) -> None:
+    engine, recording = engine_with(runner, num_blocks=512)
+    engine.generate([prompts[1]], GREEDY)  # the shared system prompt is now cached
+    outs = engine.generate(prompts, GREEDY)
+    assert_matches(outs, recording, reference)
+    assert all(outs[i].num_cached_tokens >= 512 for i in (1, 2, 3))
+
+
+def test_eight_requests_batched_with_prefill_and_decode_in_one_step(
+    runner, prompts, reference
+) -> None:
+    engine, recording = engine_with(runner, num_blocks=512)
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids[:4], prompts[:4], strict=True):
+        engine.add_request(rid, p, GREEDY)
+    finished = {}
+    for step in range(200):
+        if step == 2:  # the first four are decoding: the rest prefill beside them
+            for rid, p in zip(ids[4:], prompts[4:], strict=True):
+                engine.add_request(rid, p, GREEDY)
+        finished |= {o.request_id: o for o in engine.step() if o.finished}
+        if len(finished) == len(ids):
+            break
+    assert any(b.num_decodes and b.num_prefill_tokens for b in recording.batches)
+    assert_matches([finished[rid] for rid in ids], recording, reference)
+
+
+def test_preemption_on_a_tiny_pool_changes_nothing(runner, prompts, reference) -> None:
+    engine, recording = engine_with(runner, num_blocks=90, max_num_seqs=8)
+    outs = engine.generate(prompts, GREEDY)
+    assert engine.stats().preemptions > 0
+    assert_matches(outs, recording, reference)
+    engine.check_invariants()
