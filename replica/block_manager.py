@@ -11,10 +11,13 @@ from replica.sequence import Sequence
 class BlockManager:
     """Block tables of sequences, on top of the allocator and (optionally) the prefix cache.
 
-    A block is published when it is *scheduled* to become full, before the forward pass that
-    fills it, not when its request ends: requests admitted in the same step then hit it, since
-    every layer writes the step's keys and values before any attention of that layer reads
-    them. The caller must run every scheduled sequence in that step's forward pass.
+    A sequence gets blocks for its whole prompt when it is admitted (so a prompt computed
+    over several steps never waits for memory mid-way), and one block at a time as decoding
+    fills them. A block is published when it is *scheduled* to become full, before the
+    forward pass that fills it, not when its request ends: requests admitted in the same
+    step then hit it, since every layer writes the step's keys and values before any
+    attention of that layer reads them. The caller must run every scheduled sequence in
+    that step's forward pass.
     """
 
     def __init__(
@@ -27,12 +30,14 @@ class BlockManager:
         self.prefix_cache = PrefixCache(hasher) if enable_prefix_cache else None
         self.allocator = BlockAllocator(num_blocks, block_size, self.prefix_cache)
 
-    def admit(self, seq: Sequence, token_budget: int) -> int | None:
-        """Give a waiting sequence its blocks; return how many tokens it must compute.
+    def admit(self, seq: Sequence, token_budget: int, reserve_blocks: int = 0) -> int | None:
+        """Give a waiting sequence its blocks; return how many tokens it computes now.
 
         Shares the longest verified cached prefix, capped so at least one token runs, and
-        allocates the rest. Returns None, changing nothing, when the tokens left exceed
-        ``token_budget`` or the blocks do not fit even after evicting cached ones.
+        allocates blocks for the rest of the prompt. The first ``token_budget`` uncached
+        tokens run now (the rest in later steps, ``schedule_chunk``). Returns None, changing
+        nothing, when the budget is 0 or the blocks would leave fewer than
+        ``reserve_blocks`` available (evicting cached ones if needed).
         """
         bs = self.block_size
         n = seq.num_tokens
@@ -41,12 +46,10 @@ class BlockManager:
             hashes = self._hashes(seq, n)
             hits = self.prefix_cache.lookup(seq.token_ids, seq.cache_salt, hashes)
             hits = hits[: (n - 1) // bs]
-        num_new_tokens = n - len(hits) * bs
-        if num_new_tokens > token_budget:
-            return None
         num_new_blocks = self.allocator.blocks_needed(n) - len(hits)
         reviving = sum(1 for b in hits if self.allocator.ref_counts[b] == 0)
-        if num_new_blocks + reviving > self.allocator.num_available:
+        needed = num_new_blocks + reviving
+        if token_budget <= 0 or needed + reserve_blocks > self.allocator.num_available:
             return None
         for block in hits:  # before allocating, so the allocation cannot evict a hit
             self.allocator.share(block)
@@ -55,8 +58,22 @@ class BlockManager:
         seq.num_published_blocks = len(hits)
         if seq.num_cached_prompt_tokens is None:
             seq.num_cached_prompt_tokens = len(hits) * bs
-        self._publish(seq, n)
-        return num_new_tokens
+        return self.schedule_chunk(seq, token_budget)
+
+    def cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Prompt tokens ``admit`` would take from the cache if it ran now (no change)."""
+        if self.prefix_cache is None:
+            return 0
+        hashes = self._hashes(seq, seq.num_tokens)
+        hits = self.prefix_cache.lookup(seq.token_ids, seq.cache_salt, hashes)
+        return min(len(hits), (seq.num_tokens - 1) // self.block_size) * self.block_size
+
+    def schedule_chunk(self, seq: Sequence, token_budget: int) -> int:
+        """Schedule the next prompt tokens of an admitted sequence, at most ``token_budget``,
+        and publish the blocks they fill; returns how many tokens run."""
+        n = min(seq.num_tokens - seq.num_computed_tokens, token_budget)
+        self._publish(seq, seq.num_computed_tokens + n)
+        return n
 
     def needs_block(self, seq: Sequence) -> bool:
         """Whether the next decode token (at ``num_computed_tokens``) needs a new block."""

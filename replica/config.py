@@ -35,7 +35,12 @@ class EngineConfig(BaseModel):
     block_size: int = Field(16, gt=0)
     num_blocks: int = Field(1024, gt=0)
     max_num_seqs: int = Field(32, gt=0)
-    max_num_batched_tokens: int = Field(4096, gt=0)
+    max_num_batched_tokens: int = Field(
+        512, gt=0, description="tokens per step, decodes and prompt chunks together"
+    )
+    enable_chunked_prefill: bool = Field(
+        True, description="split prompts over steps; off: a lone prefill may exceed the budget"
+    )
     max_model_len: int | None = Field(None, gt=0, description="Defaults to the model's.")
     enable_prefix_cache: bool = True
     seed: int = 0

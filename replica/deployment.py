@@ -65,7 +65,6 @@ class EngineReplica:
         self.engine.subscribe(self.publisher.on_events)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._streams: dict[str, asyncio.Queue[EngineChunk | BaseException]] = {}
-        self._queued_prefill_tokens = 0
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
@@ -91,8 +90,6 @@ class EngineReplica:
         )
         queue: asyncio.Queue[EngineChunk | BaseException] = asyncio.Queue()
         self._streams[rid] = queue
-        prefill = len(request.prompt_token_ids)
-        self._queued_prefill_tokens += prefill
         assert self._wakeup is not None
         self._wakeup.set()
         finished = False
@@ -101,14 +98,10 @@ class EngineReplica:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise EngineFailedError("the engine loop failed") from item
-                if prefill:
-                    self._queued_prefill_tokens -= prefill
-                    prefill = 0
                 finished = item.finished
                 yield item
         finally:
             self._streams.pop(rid, None)
-            self._queued_prefill_tokens -= prefill
             if not finished:  # cancelled or disconnected: free its blocks (not awaited)
                 loop.run_in_executor(self._executor, self.engine.abort_request, rid)
 
@@ -121,7 +114,6 @@ class EngineReplica:
             "replica_id": self.replica_id,
             "time": time.time(),
             "in_flight": len(self._streams),
-            "queued_prefill_tokens": self._queued_prefill_tokens,
             "index_in_sync": self.publisher.in_sync,
             "index_failures": publisher.failures,
             "index_resyncs": publisher.resyncs,

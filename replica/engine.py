@@ -17,6 +17,7 @@ import torch
 from replica.audit import check_block_accounting
 from replica.block_manager import BlockManager
 from replica.config import EngineConfig, ModelConfig
+from replica.limits import check_request
 from replica.messages import InvalidRequestError
 from replica.model_runner import ModelRunner
 from replica.prefix_cache import CacheEvents
@@ -24,7 +25,7 @@ from replica.sampler import Sampler
 from replica.sampling_params import SamplingParams
 from replica.scheduler import ScheduledBatch, Scheduler
 from replica.sequence import Sequence, SequenceStatus
-from replica.stats import EngineMetrics, EngineStats, percentile
+from replica.stats import EngineMetrics, EngineStats
 
 __all__ = [
     "CacheEvents",
@@ -55,7 +56,8 @@ class RequestOutput:
 
 
 class Runner(Protocol):
-    """Runs a scheduled batch: next-token logits ([num_seqs, vocab], float32)."""
+    """Runs a scheduled batch: next-token logits ([num_sampled, vocab], float32), one row per
+    sequence whose ``batch.samples`` is set, in batch order."""
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor: ...
 
@@ -79,11 +81,15 @@ class Engine:
             config.num_blocks, config.block_size, self.hasher, config.enable_prefix_cache
         )
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.enable_chunked_prefill,
         )
         self.runner = runner if runner is not None else ModelRunner(config)
         self.clock = clock
         self._eos_token_ids = frozenset(config.shape.eos_token_ids)
+        self._queued_prefill_tokens = 0
         self.sampler = Sampler(config.seed)
         self.metrics = EngineMetrics()
         self._seqs: dict[str, Sequence] = {}
@@ -103,7 +109,9 @@ class Engine:
         """Queue a request. Raises ``InvalidRequestError`` if it can never be served."""
         params = params or SamplingParams()
         tokens = list(prompt_token_ids)
-        self._validate(request_id, tokens, params)
+        if request_id in self._seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        check_request(self.config, tokens, params)
         seq = Sequence(
             request_id,
             tokens,
@@ -111,8 +119,10 @@ class Engine:
             cache_salt,
             self.clock() if arrival_time is None else arrival_time,
         )
+        seq.num_cached_at_arrival = self.block_manager.cached_prefix_tokens(seq)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
+        self._queued_prefill_tokens += seq.num_tokens - seq.num_cached_at_arrival
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a queued or running request and free its blocks. False if unknown."""
@@ -123,6 +133,7 @@ class Engine:
         self.sampler.forget(request_id)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         self.metrics.num_aborted += 1
+        self._queued_prefill_tokens = self._count_queued_prefill_tokens()
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -134,11 +145,16 @@ class Engine:
         self.metrics.preemptions += len(batch.preempted)
         outputs = []
         if batch:
-            tokens = self.sampler.sample(self.runner.execute(batch), batch.seqs)
+            sampled = [s for s, sample in zip(batch.seqs, batch.samples, strict=True) if sample]
+            tokens = iter(self.sampler.sample(self.runner.execute(batch), sampled))
             now = self.clock()
-            for seq, n, token in zip(batch.seqs, batch.num_new_tokens, tokens, strict=True):
-                outputs.append(self._advance(seq, n, token, now))
+            for seq, n, sample in zip(batch.seqs, batch.num_new_tokens, batch.samples, strict=True):
+                self.metrics.computed_tokens += n
+                seq.num_computed_tokens += n
+                if sample:  # the chunk reached the last token: the step produced the next
+                    outputs.append(self._advance(seq, next(tokens), now))
             self.metrics.steps += 1
+        self._queued_prefill_tokens = self._count_queued_prefill_tokens()
         self._emit_events()
         return outputs
 
@@ -185,29 +201,8 @@ class Engine:
     def stats(self, latencies: bool = True) -> EngineStats:
         """Counters and block accounting; with ``latencies``, also TTFT and ITL percentiles
         (sorting up to 100k samples: leave them out where a snapshot is taken often)."""
-        m, alloc = self.metrics, self.block_manager.allocator
-        cache = self.block_manager.prefix_cache
-        return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_finished=m.num_finished,
-            num_aborted=m.num_aborted,
-            prompt_tokens=m.prompt_tokens,
-            cached_prompt_tokens=m.cached_prompt_tokens,
-            hit_rate=m.hit_rate,
-            computed_tokens=m.computed_tokens,
-            generation_tokens=m.generation_tokens,
-            preemptions=m.preemptions,
-            evictions=cache.num_evictions if cache else 0,
-            hash_mismatches=cache.num_hash_mismatches if cache else 0,
-            steps=m.steps,
-            blocks_total=alloc.num_blocks,
-            blocks_free=alloc.num_free,
-            blocks_cached=alloc.num_cached,
-            blocks_in_use=alloc.num_in_use,
-            ttft_p50_s=percentile(m.ttft_s, 50) if latencies else None,
-            ttft_p99_s=percentile(m.ttft_s, 99) if latencies else None,
-            itl_p50_s=percentile(m.itl_s, 50) if latencies else None,
+        return EngineStats.collect(
+            self.metrics, self.scheduler, self._queued_prefill_tokens, latencies
         )
 
     def check_invariants(self) -> None:
@@ -218,32 +213,8 @@ class Engine:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _validate(self, request_id: str, tokens: list[int], params: SamplingParams) -> None:
-        cfg = self.config
-        if request_id in self._seqs:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if not tokens:
-            raise InvalidRequestError("the prompt is empty")
-        vocab = cfg.shape.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
-            raise InvalidRequestError(f"token ids must be integers in [0, {vocab})")
-        if len(tokens) + params.max_tokens > cfg.context_len:
-            raise InvalidRequestError(
-                f"prompt ({len(tokens)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                f"the model's context of {cfg.context_len} tokens"
-            )
-        # the last generated token is never written to the cache
-        if self.block_manager.allocator.blocks_needed(len(tokens) + params.max_tokens - 1) > (
-            cfg.num_blocks
-        ):
-            raise InvalidRequestError(
-                f"prompt plus max_tokens needs more KV blocks than the engine has "
-                f"({cfg.num_blocks} x {cfg.block_size} tokens)"
-            )
-
-    def _advance(self, seq: Sequence, num_new: int, token: int, now: float) -> RequestOutput:
+    def _advance(self, seq: Sequence, token: int, now: float) -> RequestOutput:
         m = self.metrics
-        m.computed_tokens += num_new
         m.generation_tokens += 1
         if seq.first_token_time is None:  # first step of this request: its prompt is done
             m.prompt_tokens += seq.num_prompt_tokens
@@ -254,7 +225,6 @@ class Engine:
             assert seq.last_token_time is not None
             m.itl_s.append(now - seq.last_token_time)
         seq.last_token_time = now
-        seq.num_computed_tokens += num_new
         seq.token_ids.append(token)
         params = seq.params
         if token in params.stop_token_ids or (
@@ -278,6 +248,17 @@ class Engine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_prompt_tokens or 0,
         )
+
+    def _count_queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute: the rest of prompts being chunked, and the
+        uncached part of waiting prompts (estimated when they arrived)."""
+        running = sum(
+            s.num_tokens - s.num_computed_tokens
+            for s in self.scheduler.running
+            if s.num_tokens - s.num_computed_tokens > 1
+        )
+        waiting = sum(s.num_tokens - s.num_cached_at_arrival for s in self.scheduler.waiting)
+        return running + waiting
 
     def _emit_events(self) -> None:
         cache = self.block_manager.prefix_cache

@@ -7,6 +7,7 @@ import torch
 from replica.attention import AttentionMetadata, KVCache, PrefillSpan
 from replica.checkpoints import CheckpointError, checkpoint_for
 from replica.config import EngineConfig
+from replica.memory import keep_freed_memory_mapped
 from replica.model import LlamaForCausalLM
 from replica.scheduler import ScheduledBatch
 
@@ -19,6 +20,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        keep_freed_memory_mapped()
         dtype = _DTYPES[config.dtype]
         checkpoint = checkpoint_for(config.model)
         model = LlamaForCausalLM(config.shape)
@@ -43,7 +45,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Run every scheduled token; logits ([num_seqs, vocab], float32) of each last one."""
+        """Run every scheduled token; logits ([num_sampled, vocab], float32) of the last
+        token of each sequence that samples this step (``batch.samples``)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -53,13 +56,14 @@ class ModelRunner:
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        for seq, n, sample in zip(batch.seqs, batch.num_new_tokens, batch.samples, strict=True):
             start, first = len(input_ids), seq.num_computed_tokens
             context_len = first + n
             input_ids += seq.token_ids[first:context_len]
             positions += range(first, context_len)
             slots += (seq.block_table[p // bs] * bs + p % bs for p in range(first, context_len))
-            last_rows.append(start + n - 1)
+            if sample:
+                last_rows.append(start + n - 1)
             used_blocks = seq.block_table[: -(-context_len // bs)]
             if n == 1:
                 decode_rows.append(start)

@@ -1,20 +1,44 @@
-"""Continuous batching: who runs in the next step, and who gives way when memory runs out."""
+"""Continuous batching with chunked prefill: who runs in the next step, how many tokens each,
+and who gives way when memory runs out.
+
+Like vLLM's v1 scheduler, every step has a token budget (``max_num_batched_tokens``) shared
+by decodes and prefill chunks, and it is never exceeded: running decodes are scheduled
+first (one token each), then the next chunks of prompts already being computed, then new
+requests, each taking what budget is left, so a long prompt spreads over several steps
+instead of stalling every running stream. Where we differ from vLLM, and why:
+
+* Admission reserves room for the running requests to grow, as SGLang does with its
+  new-token ratio: a waiting request is admitted only if its prompt's blocks leave
+  ``ratio x (tokens the running requests may still generate)`` available. vLLM admits until
+  memory runs out and preempts; on a CPU a recompute costs seconds, so we would rather
+  wait. The ratio starts at 0.5, decays by 0.002 per step to 0.1 while no one is preempted,
+  and returns to 1.0 (reserve every token) after a preemption.
+* A request gets blocks for its whole prompt at admission (vLLM allocates per chunk), so a
+  prompt being chunked never stalls mid-way for memory.
+* Preemption is the last resort, newest first, by recompute; a preempted request's full
+  blocks stay in the prefix cache, so it resumes from whatever of them survived.
+"""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
 from replica.block_manager import BlockManager
 from replica.sequence import Sequence, SequenceStatus
 
+_RATIO_START, _RATIO_MIN, _RATIO_DECAY = 0.5, 0.1, 0.002
+
 
 @dataclass
 class ScheduledBatch:
-    """One step's work: each sequence with the number of tokens it computes this step."""
+    """One step's work: each sequence with the number of tokens it computes this step, and
+    whether that reaches its last known token (then the step samples its next one)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -23,6 +47,7 @@ class ScheduledBatch:
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
+        self.samples.append(seq.num_computed_tokens + num_new_tokens == seq.num_tokens)
 
     @property
     def num_decodes(self) -> int:
@@ -31,30 +56,37 @@ class ScheduledBatch:
 
     @property
     def num_prefill_tokens(self) -> int:
-        """Tokens of the sequences computing several (prefills of an uncached suffix)."""
+        """Tokens of the sequences computing several (chunks of prompts)."""
         return sum(n for n in self.num_new_tokens if n > 1)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
 
 
 class Scheduler:
-    """FIFO admission between decode steps, preemption by recompute, newest first.
+    """Decodes first, then prompt chunks, within one token budget per step (module doc).
 
-    Each step, running sequences (oldest first) get one decode slot. If a slot cannot be
-    found even after evicting every cached prefix (the allocator evicts them first), the
-    newest running sequence is preempted: its blocks are released and it waits at the front
-    of the queue to be recomputed from its prompt and the tokens it already produced. Only
-    in a step without preemption are waiting requests admitted (FIFO, within
-    ``max_num_seqs`` and ``max_num_batched_tokens``; a lone prefill may exceed the token
-    budget), so the oldest request always makes progress and none is dropped.
+    With ``chunked_prefill`` off, a prompt runs in one step (a lone prefill may exceed the
+    budget), as before chunking: kept for comparison.
     """
 
     def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        chunked_prefill: bool = True,
     ) -> None:
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be at least max_num_seqs")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.reserve_ratio = _RATIO_START
 
     @property
     def num_unfinished(self) -> int:
@@ -73,27 +105,61 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        running = list(self.running)
-        while running:
-            seq = running.pop(0)
+        budget = self._schedule_running(batch, self.max_num_batched_tokens)
+        if batch.preempted:
+            self.reserve_ratio = 1.0
+            return batch
+        self.reserve_ratio = max(_RATIO_MIN, self.reserve_ratio - _RATIO_DECAY)
+        self._admit_waiting(batch, budget)
+        return batch
+
+    def reserve_blocks(self) -> int:
+        """Blocks kept free for the running requests' next tokens (``reserve_ratio`` of the
+        tokens they may still generate)."""
+        growth = sum(s.params.max_tokens - s.num_output_tokens for s in self.running)
+        return math.ceil(self.reserve_ratio * growth / self.block_manager.block_size)
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        """Decodes (oldest first), then the next chunk of each prompt being computed.
+
+        A decode that finds no block, even after the allocator evicted every cached prefix,
+        preempts the newest running request not yet scheduled (itself, if it is the
+        newest)."""
+        order = {id(s): i for i, s in enumerate(self.running)}
+        pending = sorted(self.running, key=lambda s: not _decoding(s))  # stable: oldest first
+        while pending:
+            seq = pending.pop(0)
+            if not _decoding(seq):
+                if budget > 0:
+                    n = self.block_manager.schedule_chunk(seq, budget)
+                    batch.add(seq, n)
+                    budget -= n
+                continue
             while not self.block_manager.append_slot(seq):
-                victim = running.pop() if running else seq
+                victim = max([seq, *pending], key=lambda s: order[id(s)])
+                if victim is not seq:
+                    pending.remove(victim)
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
             else:
                 batch.add(seq, 1)
-        if batch.preempted:
-            return batch
+                budget -= 1
+        return budget
 
-        budget = self.max_num_batched_tokens - len(batch)
-        admitted_prefill = False
-        while self.waiting and len(self.running) < self.max_num_seqs:
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        """FIFO admission while budget, sequence slots and the reserve allow."""
+        first = True
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            num_new = self.block_manager.admit(
-                seq, budget if admitted_prefill else max(budget, seq.num_tokens)
-            )
+            allowed = budget
+            if not self.chunked_prefill:  # whole prompts only; the step's first may overrun
+                remaining = seq.num_tokens - self.block_manager.cached_prefix_tokens(seq)
+                if remaining > budget and not first:
+                    break
+                allowed = max(budget, remaining)
+            num_new = self.block_manager.admit(seq, allowed, self.reserve_blocks())
             if num_new is None:
                 break
             self.waiting.popleft()
@@ -101,11 +167,15 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, num_new)
             budget -= num_new
-            admitted_prefill = True
-        return batch
+            first = False
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.release(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+
+
+def _decoding(seq: Sequence) -> bool:
+    """Whether a running sequence has one token left to compute (the last one sampled)."""
+    return seq.num_tokens - seq.num_computed_tokens == 1

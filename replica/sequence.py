@@ -36,6 +36,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_published_blocks: int = 0
     num_cached_prompt_tokens: int | None = None  # served from the cache at first admission
+    num_cached_at_arrival: int = 0  # what the cache held of it on arrival (an estimate)
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_reason: str | None = None

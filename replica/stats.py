@@ -6,6 +6,10 @@ import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from replica.scheduler import Scheduler
 
 _MAX_SAMPLES = 100_000
 
@@ -46,6 +50,7 @@ class EngineStats:
 
     num_running: int
     num_waiting: int
+    queued_prefill_tokens: int  # prompt tokens still to compute (running chunks + waiting)
     num_finished: int
     num_aborted: int
     prompt_tokens: int
@@ -67,3 +72,36 @@ class EngineStats:
 
     def to_dict(self) -> dict[str, float | int | None]:
         return asdict(self)
+
+    @classmethod
+    def collect(
+        cls, m: EngineMetrics, scheduler: Scheduler, queued_prefill_tokens: int, latencies: bool
+    ) -> EngineStats:
+        """A snapshot of an engine's counters, queues and blocks; latency percentiles only
+        with ``latencies`` (sorting up to 100k samples: leave them out where this runs
+        often, e.g. every heartbeat)."""
+        manager = scheduler.block_manager
+        alloc, cache = manager.allocator, manager.prefix_cache
+        return cls(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            queued_prefill_tokens=queued_prefill_tokens,
+            num_finished=m.num_finished,
+            num_aborted=m.num_aborted,
+            prompt_tokens=m.prompt_tokens,
+            cached_prompt_tokens=m.cached_prompt_tokens,
+            hit_rate=m.hit_rate,
+            computed_tokens=m.computed_tokens,
+            generation_tokens=m.generation_tokens,
+            preemptions=m.preemptions,
+            evictions=cache.num_evictions if cache else 0,
+            hash_mismatches=cache.num_hash_mismatches if cache else 0,
+            steps=m.steps,
+            blocks_total=alloc.num_blocks,
+            blocks_free=alloc.num_free,
+            blocks_cached=alloc.num_cached,
+            blocks_in_use=alloc.num_in_use,
+            ttft_p50_s=percentile(m.ttft_s, 50) if latencies else None,
+            ttft_p99_s=percentile(m.ttft_s, 99) if latencies else None,
+            itl_p50_s=percentile(m.itl_s, 50) if latencies else None,
+        )

@@ -67,6 +67,18 @@ def test_equivalence_holds_under_memory_pressure_with_preemption() -> None:
     assert stats.blocks_free + stats.blocks_cached == stats.blocks_total
 
 
+@pytest.mark.parametrize("budget", [16, 37])
+def test_chunked_prefill_changes_no_output(budget: int) -> None:
+    prompts = [*shared_prefix_prompts(10, seed=8), [256, *range(200)]]
+    whole = Engine(EngineConfig(enable_chunked_prefill=False)).generate(prompts, GREEDY)
+    engine = Engine(EngineConfig(max_num_batched_tokens=budget, max_num_seqs=8))
+    chunked = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in chunked] == [o.token_ids for o in whole]
+    # the 201-token prompt alone needs ceil(201 / budget) chunk steps, then 23 decodes
+    assert engine.stats().steps >= -(-201 // budget) + GREEDY.max_tokens - 1
+    assert engine.stats().cached_prompt_tokens > 0
+
+
 def test_a_fully_cached_prompt_still_runs_and_gives_the_same_output() -> None:
     engine = Engine(EngineConfig(block_size=16))
     prompt = [256] + list(range(47))  # exactly 3 blocks
@@ -222,7 +234,7 @@ def test_block_accounting_adds_up_after_every_step(ops) -> None:
             block_size=4,
             num_blocks=14,
             max_num_seqs=4,
-            max_num_batched_tokens=48,
+            max_num_batched_tokens=8,  # most prompts run in several chunks
         )
     )
     prefixes = [[256] + [p] * (4 * p + 3) for p in range(4)]

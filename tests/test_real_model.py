@@ -52,7 +52,8 @@ class Recording:
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         logits = self.runner.execute(batch)
         self.batches.append(batch)
-        for seq, row in zip(batch.seqs, logits, strict=True):
+        sampled = [s for s, sample in zip(batch.seqs, batch.samples, strict=True) if sample]
+        for seq, row in zip(sampled, logits, strict=True):
             self.logits.setdefault(seq.request_id, []).append(row.clone())
         return logits
 
@@ -151,6 +152,15 @@ def test_eight_requests_batched_with_prefill_and_decode_in_one_step(
             break
     assert any(b.num_decodes and b.num_prefill_tokens for b in recording.batches)
     assert_matches([finished[rid] for rid in ids], recording, reference)
+
+
+def test_prompts_chunked_over_many_steps_change_nothing(runner, prompts, reference) -> None:
+    engine, recording = engine_with(runner, num_blocks=512, max_num_batched_tokens=64)
+    outs = engine.generate(prompts, GREEDY)
+    assert max(b.num_tokens for b in recording.batches) <= 64
+    partial = sum(b.samples.count(False) for b in recording.batches)  # chunks short of the end
+    assert partial > 10
+    assert_matches(outs, recording, reference)
 
 
 def test_preemption_on_a_tiny_pool_changes_nothing(runner, prompts, reference) -> None:

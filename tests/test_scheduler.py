@@ -1,0 +1,151 @@
+"""The scheduler on tiny pools: chunked prefill, admission reserve and preemption, with
+exact block ids and publish order. Steps are simulated (no model): a scheduled chunk is
+computed, and a chunk that reaches the last token appends a generated one."""
+
+from __future__ import annotations
+
+import pytest
+
+import replica.scheduler
+from replica.block_manager import BlockManager
+from replica.hashing import BlockHasher
+from replica.sampling_params import SamplingParams
+from replica.scheduler import ScheduledBatch, Scheduler
+from replica.sequence import Sequence, SequenceStatus
+
+BS = 4
+
+
+def scheduler(num_blocks: int, budget: int, max_num_seqs: int = 4, **kw) -> Scheduler:
+    manager = BlockManager(num_blocks, BS, BlockHasher(BS, "test-model"), True)
+    return Scheduler(manager, max_num_seqs, budget, **kw)
+
+
+def seq(rid: str, tokens: list[int], max_tokens: int = 4) -> Sequence:
+    return Sequence(rid, list(tokens), SamplingParams(max_tokens=max_tokens), None, 0.0)
+
+
+def step(s: Scheduler, next_token: int = 999) -> ScheduledBatch:
+    """One step: schedule, then compute what was scheduled, as the engine does."""
+    batch = s.schedule()
+    if s.chunked_prefill:
+        assert batch.num_tokens <= s.max_num_batched_tokens  # the budget is never exceeded
+    for q, n, sample in zip(batch.seqs, batch.num_new_tokens, batch.samples, strict=True):
+        q.num_computed_tokens += n
+        if sample:
+            q.token_ids.append(next_token)
+    return batch
+
+
+def stored(s: Scheduler, q: Sequence) -> list[int]:
+    """Which of ``q``'s blocks the last step published (by position in its block table)."""
+    cache = s.block_manager.prefix_cache
+    events = cache.drain_events()
+    hashes = set(events.stored) if events else set()
+    return [i for i, h in enumerate(q.block_hashes) if h in hashes]
+
+
+def test_a_five_block_prompt_with_a_two_block_budget_takes_three_steps() -> None:
+    s = scheduler(num_blocks=8, budget=2 * BS)
+    a = seq("a", list(range(20)))  # 5 full blocks
+    s.add(a)
+    plan = []
+    for _ in range(3):
+        batch = step(s)
+        plan.append((batch.num_new_tokens, batch.samples, list(a.block_table), stored(s, a)))
+    assert plan == [
+        ([8], [False], [0, 1, 2, 3, 4], [0, 1]),  # all prompt blocks taken at admission
+        ([8], [False], [0, 1, 2, 3, 4], [2, 3]),
+        ([4], [True], [0, 1, 2, 3, 4], [4]),  # the last chunk samples the first token
+    ]
+    assert a.num_output_tokens == 1
+    batch = step(s)  # now a plain decode, in a new block
+    assert batch.num_new_tokens == [1] and a.block_table == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_second_request_hits_blocks_of_a_prompt_still_being_chunked() -> None:
+    s = scheduler(num_blocks=16, budget=2 * BS)
+    a = seq("a", list(range(20)))
+    s.add(a)
+    step(s)  # a: tokens 0-7 computed, blocks 0 and 1 published
+    b = seq("b", [*range(8), 50, 51, 52])  # shares a's first two blocks
+    s.add(b)
+    batch = step(s)  # a's second chunk takes the whole budget: b waits
+    assert batch.seqs == [a] and b.status is SequenceStatus.WAITING
+    batch = step(s)  # a's last 4 tokens, then b with what is left
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [4, 3]
+    assert b.num_cached_prompt_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    assert s.block_manager.allocator.ref_counts[a.block_table[0]] == 2
+
+
+def test_decodes_go_first_and_prompts_take_the_rest_of_the_budget() -> None:
+    s = scheduler(num_blocks=32, budget=6)
+    d1, d2 = seq("d1", [1, 2, 3], 10), seq("d2", [4, 5, 6], 10)
+    s.add(d1)
+    s.add(d2)
+    step(s)  # both prompts (3 + 3 tokens) in one step
+    long = seq("long", list(range(100, 120)))
+    s.add(long)
+    batch = step(s)
+    assert batch.seqs == [d1, d2, long] and batch.num_new_tokens == [1, 1, 4]
+    batch = step(s)
+    assert batch.seqs == [d1, d2, long] and batch.num_new_tokens == [1, 1, 4]
+
+
+def test_preemption_mid_chunk_takes_the_newest_and_it_resumes_from_its_cached_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(replica.scheduler, "_RATIO_MIN", 0.0)
+    s = scheduler(num_blocks=7, budget=8)
+    old = seq("old", [7] * 6, max_tokens=8)  # 2 blocks, grows into a third
+    s.add(old)
+    step(s)
+    new = seq("new", list(range(200, 220)))  # 5 blocks: all that is left
+    s.reserve_ratio = 0.0  # admit without a reserve, to force the preemption below
+    s.add(new)
+    batch = step(s)
+    assert batch.seqs == [old, new] and batch.num_new_tokens == [1, 7]
+    assert new.block_table == [2, 3, 4, 5, 6]
+    while not (batch := step(s)).preempted:  # old fills its 2 blocks while new is chunked
+        assert batch.seqs == [old, new]
+    # old needs a third block: none free, none cached -> the newest, mid-chunk, gives way
+    assert batch.preempted == [new] and batch.seqs == [old]
+    assert new.status is SequenceStatus.WAITING and new.block_table == [] and s.waiting[0] is new
+    assert s.reserve_ratio == 1.0  # after a preemption, reserve every token again
+    # its three full blocks stay cached (tail first in line); old took a free block
+    assert s.block_manager.allocator.eviction_order() == [4, 3, 2]
+    assert old.block_table == [0, 1, 6]
+    while old.num_output_tokens < 8:
+        step(s)
+    s.remove(old)  # finished: its blocks go back
+    batch = step(s)
+    assert batch.seqs == [new] and batch.num_new_tokens == [20 - 3 * BS]  # only what was lost
+    assert new.num_computed_tokens == 20 and new.num_output_tokens == 1
+    assert new.num_cached_prompt_tokens == 0  # counted once, at its first admission
+
+
+def test_admission_keeps_a_reserve_for_running_requests_to_grow() -> None:
+    s = scheduler(num_blocks=9, budget=64)
+    a = seq("a", [1] * 8, max_tokens=16)  # 2 blocks now, up to 6 once it has generated 16
+    s.add(a)
+    step(s)
+    s.reserve_ratio = 1.0
+    b = seq("b", [2] * 13, max_tokens=2)  # 4 blocks; a decodes into a third: 6 - 4 < 4
+    s.add(b)
+    assert s.reserve_blocks() == 4  # 15 tokens still to come for a: 4 blocks
+    batch = step(s)
+    assert batch.seqs == [a] and b.status is SequenceStatus.WAITING
+    s.reserve_ratio = 0.5  # half of a's 14 tokens to come: 2 blocks, and 3 + 4 + 2 = 9 fits
+    batch = step(s)
+    assert batch.seqs == [a, b]
+
+
+def test_without_chunking_a_lone_long_prompt_runs_whole_over_the_budget() -> None:
+    s = scheduler(num_blocks=16, budget=8, chunked_prefill=False)
+    a, b = seq("a", list(range(20))), seq("b", list(range(40, 60)))
+    s.add(a)
+    s.add(b)
+    batch = step(s)
+    assert batch.seqs == [a] and batch.num_new_tokens == [20]  # b would overrun again
+    batch = step(s)
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 20]
