@@ -7,6 +7,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from replica import cascade
+from replica.cascade import DecodePlan
+
 
 @dataclass
 class PrefillSpan:
@@ -22,15 +25,15 @@ class PrefillSpan:
 class AttentionMetadata:
     """Where a step's tokens write their KV and what each of them attends to.
 
-    Sequences that compute one token (decodes) are batched into one padded call; sequences
-    computing several (prefills of the uncached suffix) run one call each.
+    Sequences that compute one token (decodes) are batched into one padded call, with the
+    prefix blocks some of them share attended once (``replica.cascade``); sequences
+    computing several (chunks of prompts) run one call each.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] flat slot = block * block_size + offset
     prefills: list[PrefillSpan]
     decode_rows: torch.Tensor  # [num_decodes] row of each decode token in the flat batch
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks], padded with block 0
-    decode_context_lens: torch.Tensor  # [num_decodes]
+    decode_plan: DecodePlan | None  # None without decodes
 
 
 class KVCache:
@@ -89,27 +92,32 @@ def paged_attention(
         )
         out[span.start : span.end] = attended.transpose(0, 1)
     if meta.decode_rows.numel():
-        out[meta.decode_rows] = _decode_attention(q[meta.decode_rows], k_cache, v_cache, meta)
+        assert meta.decode_plan is not None
+        out[meta.decode_rows] = _decode_attention(
+            q[meta.decode_rows], k_cache, v_cache, meta.decode_plan
+        )
     return out
 
 
 def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan
 ) -> torch.Tensor:
     """One query token per sequence, all sequences in one padded call.
 
     Grouped KV heads are folded instead of expanded: the query heads sharing a KV head
-    become that head's query rows (``[decodes, kv_heads, group, dim]``), so SDPA reads each
-    gathered key once rather than once per query head (3.7x faster here than
-    ``enable_gqa`` at batch 32).
+    become that head's query rows (``[decodes, kv_heads, group, dim]``), so each gathered
+    key is read once rather than once per query head (3.7x faster here than SDPA's
+    ``enable_gqa`` at batch 32). Shared prefixes go through ``replica.cascade``.
     """
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    tables = meta.decode_block_tables
-    keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [decodes, kv_heads, len, dim]
-    values = v_cache[tables].flatten(1, 2).transpose(1, 2)
-    valid = torch.arange(keys.shape[2]).unsqueeze(0) < meta.decode_context_lens.unsqueeze(1)
     grouped = q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    if plan.shared:
+        out = cascade.attend(grouped, k_cache, v_cache, plan, head_dim**-0.5)
+        return out.to(q.dtype).reshape(num_decodes, num_heads, head_dim)
+    keys = k_cache[plan.tail_tables].flatten(1, 2).transpose(1, 2)  # [decodes, kv, len, dim]
+    values = v_cache[plan.tail_tables].flatten(1, 2).transpose(1, 2)
+    valid = torch.arange(keys.shape[2]).unsqueeze(0) < plan.tail_lens.unsqueeze(1)
     attended = F.scaled_dot_product_attention(
         grouped, keys, values, attn_mask=valid[:, None, None, :]
     )

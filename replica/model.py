@@ -1,12 +1,14 @@
 """A Llama-family decoder (RMSNorm, RoPE, SwiGLU, grouped KV heads) over the paged KV cache.
 
-Parameter names follow Hugging Face's ``LlamaForCausalLM``, so any checkpoint's weights load
-with ``load_weights`` (``replica.checkpoints``); without one they are seeded random.
+Parameter names follow Hugging Face's ``LlamaForCausalLM`` except that Q/K/V and gate/up are
+fused (``load_weights`` fuses any checkpoint's weights, ``hf_state_dict`` splits them back);
+without a checkpoint the weights are seeded random.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from replica.attention import AttentionMetadata, KVCache, paged_attention
@@ -14,19 +16,21 @@ from replica.model_shape import ModelConfig
 
 
 class RMSNorm(nn.Module):
+    """Normalized in float32, then scaled in the model's dtype (as Hugging Face does)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return normed.to(x.dtype) * self.weight
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE in the rotate-half layout that Hugging Face Llama checkpoints use."""
+    """RoPE in the rotate-half layout that Hugging Face Llama checkpoints use. ``at`` looks up
+    a step's positions once; every layer then rotates with them."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float) -> None:
         super().__init__()
@@ -36,60 +40,68 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``x``: [tokens, heads, head_dim], rotated by each token's position."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for each token: ``[tokens, 1, head_dim]``."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(
+            dtype
+        )
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x``: [tokens, heads, head_dim], rotated by each token's position."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    """Q, K and V come from one fused projection (one matrix product instead of three);
+    Q and K are rotated together."""
+
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         kv_dim = config.num_kv_heads * config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=False)
+        self.qkv_proj = nn.Linear(config.hidden_size, config.hidden_size + 2 * kv_dim, bias=False)
         self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
-        self.rotary = rotary
 
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = self.rotary(self.q_proj(x).view(n, self.num_heads, self.head_dim), positions)
-        k = self.rotary(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), positions)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        qk_heads = self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x).view(n, qk_heads + self.num_kv_heads, self.head_dim)
+        qk = rotate(qkv[:, :qk_heads], *rope)
+        q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, qk_heads:]
         out = paged_attention(q, k, v, k_cache, v_cache, meta)
         return self.o_proj(out.reshape(n, -1))
 
 
 class LlamaMLP(nn.Module):
+    """SwiGLU with the gate and up projections fused into one matrix product."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -97,11 +109,9 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(config.head_dim, config.max_position, config.rope_theta)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position, config.rope_theta)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary) for _ in range(config.num_layers)
-        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -137,9 +147,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm for a flat batch of tokens."""
         h = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary.at(positions, h.dtype)
         for i, layer in enumerate(self.model.layers):
             h = h + layer.self_attn(
-                layer.input_layernorm(h), positions, kv_cache.k[i], kv_cache.v[i], meta
+                layer.input_layernorm(h), rope, kv_cache.k[i], kv_cache.v[i], meta
             )
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.norm(h)
@@ -149,15 +160,49 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face ``LlamaForCausalLM`` weights (strict: every name, every shape);
-        a tied checkpoint may leave ``lm_head.weight`` out."""
+        a tied checkpoint may leave ``lm_head.weight`` out. Q, K, V and gate, up are fused
+        here, row blocks in that order."""
         state = dict(state)
         if self.config.tie_word_embeddings:
             state["lm_head.weight"] = state.get("model.embed_tokens.weight")
-        missing = sorted(set(self.state_dict()) - set(state))
-        unexpected = sorted(set(state) - set(self.state_dict()))
-        if missing or unexpected:
-            raise ValueError(
-                f"weights do not fit a Llama model: missing {missing[:3]}, "
-                f"unexpected {unexpected[:3]}"
+        ours = {}
+        for name in self.state_dict():
+            sources = _hf_names(name)
+            missing = [src for src in sources if state.get(src) is None]
+            if missing:
+                raise ValueError(f"weights do not fit a Llama model: missing {missing[0]}")
+            ours[name] = torch.cat([state.pop(src) for src in sources])
+        if state:
+            raise ValueError(f"weights do not fit a Llama model: unexpected {sorted(state)[:3]}")
+        self.load_state_dict(ours, strict=True)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under Hugging Face ``LlamaForCausalLM`` names (fused ones split)."""
+        cfg = self.config
+        kv = cfg.num_kv_heads * cfg.head_dim
+        rows = {"qkv_proj": [cfg.hidden_size, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
+        out = {}
+        for name, tensor in self.state_dict().items():
+            sources = _hf_names(name)
+            module = name.rsplit(".", 2)[-2]
+            pieces = tensor.split(rows[module]) if module in rows else [tensor]
+            out.update(
+                {src: piece.contiguous() for src, piece in zip(sources, pieces, strict=True)}
             )
-        self.load_state_dict(state, strict=True)
+        return out
+
+
+def _hf_names(name: str) -> list[str]:
+    """The Hugging Face parameter names one of ours holds (several for a fused one)."""
+    head, _, kind = name.rpartition(".")
+    prefix, _, module = head.rpartition(".")
+    if module in _FUSED:
+        return [f"{prefix}.{part}.{kind}" for part in _FUSED[module]]
+    return [name]
+
+
+# Our fused projections and the Hugging Face ones they hold, in row order.
+_FUSED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}

@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 
 from replica.attention import AttentionMetadata, KVCache, PrefillSpan
+from replica.cascade import plan_decodes
 from replica.checkpoints import CheckpointError, checkpoint_for
 from replica.config import EngineConfig
 from replica.memory import keep_freed_memory_mapped
 from replica.model import LlamaForCausalLM
+from replica.packed_linear import pack_linears
 from replica.scheduler import ScheduledBatch
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -33,15 +35,13 @@ class ModelRunner:
             except (ValueError, RuntimeError) as exc:  # names or shapes that do not fit
                 raise CheckpointError(f"{checkpoint.name}: {exc}") from None
         self.model = model.to(dtype).eval()
+        self.num_parameters = sum(p.numel() for p in self.model.parameters())
+        pack_linears(self.model)  # after counting: packed weights are no parameters
         m = config.shape
         self.kv_cache = KVCache(
             m.num_layers, config.num_blocks, config.block_size, m.num_kv_heads, m.head_dim, dtype
         )
         self.block_size = config.block_size
-
-    @property
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -72,15 +72,11 @@ class ModelRunner:
             else:
                 table = torch.tensor(used_blocks, dtype=torch.long)
                 prefills.append(PrefillSpan(start, start + n, context_len, table))
-        width = max((len(t) for t in decode_tables), default=0)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             prefills=prefills,
             decode_rows=torch.tensor(decode_rows, dtype=torch.long),
-            decode_block_tables=torch.tensor(
-                [t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long
-            ).view(len(decode_tables), width),
-            decode_context_lens=torch.tensor(decode_lens, dtype=torch.long),
+            decode_plan=plan_decodes(decode_tables, decode_lens, bs) if decode_tables else None,
         )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long),

@@ -203,7 +203,7 @@ def test_events_let_an_observer_track_the_cached_set_exactly() -> None:
 def test_weights_load_from_a_hugging_face_folder(tmp_path) -> None:
     source = Engine(EngineConfig(seed=42))
     model: LlamaForCausalLM = source.runner.model
-    weights = {k: v.contiguous() for k, v in model.state_dict().items()}
+    weights = model.hf_state_dict()
     save_file(weights, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(hf_config(model.config)))
     loaded = Engine(EngineConfig(seed=0, model=str(tmp_path)))

@@ -7,10 +7,11 @@ import json
 import sys
 from pathlib import Path
 
-from cluster.experiments import engine_bench, faults, index_bench, routing, simulate
+from cluster.experiments import engine_bench, faults, index_bench, routing, simulate, speed
 
 EXPERIMENTS = {
-    "engine": (engine_bench, "prefix cache off vs on on one trace, one engine"),
+    "engine": (engine_bench, "prefix cache off vs on on one trace, one engine (and vLLM)"),
+    "speed": (speed, "prefill and decode throughput next to transformers and vLLM"),
     "index": (index_bench, "Redis index query latency, publish throughput, memory"),
     "routing": (routing, "routing policies compared on the real cluster: JSON, Markdown, PNG"),
     "simulate": (simulate, "the same policies and cache code on simulated replicas"),

@@ -87,20 +87,35 @@ async def _drive(
         return list(results), time.monotonic() - start
 
 
-async def _send(client: httpx.AsyncClient, model: str, req: TraceRequest) -> RequestResult:
-    body = {
+def _request(model: str, req: TraceRequest) -> tuple[str, dict[str, object]]:
+    """The endpoint and body for a trace request: a chat when it has a system prompt."""
+    body: dict[str, object] = {
         "model": model,
-        "prompt": req.prompt,
         "max_tokens": req.max_tokens,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if not req.system:
+        return "/v1/completions", {**body, "prompt": req.prompt}
+    messages = [{"role": "system", "content": req.system}, {"role": "user", "content": req.prompt}]
+    return "/v1/chat/completions", {**body, "messages": messages}
+
+
+def _has_text(chunk: dict) -> bool:
+    choices = chunk.get("choices")
+    if not choices:
+        return False
+    return bool(choices[0].get("text") or (choices[0].get("delta") or {}).get("content"))
+
+
+async def _send(client: httpx.AsyncClient, model: str, req: TraceRequest) -> RequestResult:
+    path, body = _request(model, req)
     result = RequestResult(req.request_id, req.group, status=0)
     t0 = time.monotonic()
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
+        async with client.stream("POST", path, json=body) as resp:
             result.status = resp.status_code
             result.replica = resp.headers.get("x-replica-id")
             if resp.status_code != 200:
@@ -121,7 +136,7 @@ async def _send(client: httpx.AsyncClient, model: str, req: TraceRequest) -> Req
                     result.completion_tokens = usage["completion_tokens"]
                     details = usage.get("prompt_tokens_details") or {}
                     result.cached_tokens = details.get("cached_tokens", 0)
-                elif chunk.get("choices") and chunk["choices"][0].get("text"):
+                elif _has_text(chunk):
                     now = time.monotonic()
                     if last is not None:
                         result.itl_s.append(now - last)

@@ -217,7 +217,7 @@ class Simulation:
 
     def _arrive(self, req: TraceRequest, now: float) -> None:
         """Tokenize and hash once, then place the request, or queue it behind the others."""
-        ids = self.tokenizer.encode(req.prompt)
+        ids = req.token_ids(self.tokenizer)
         chain = self.hasher.chain(ids)
         key = self.hasher.affinity_key(ids, self.affinity_blocks, chain=chain)
         pending = _Pending(req, RoutingRequest(chain, key, len(ids), self.hasher.block_size), ids)

@@ -1,13 +1,15 @@
 """Seeded, reproducible request traces shared by benchmarks, experiments and the simulator.
 
 A trace is a list of ``TraceRequest`` with open-loop Poisson arrival times: arrivals do not
-wait for the server, as real traffic does not. Prompts are text (the byte tokenizer maps each
-UTF-8 byte to a token), so one trace can be sent over HTTP, tokenized for the offline engine,
-or simulated. Traces save to and load from JSONL, one request per line.
+wait for the server, as real traffic does not. Prompts are text, so one trace can be sent over
+HTTP, tokenized for the offline engine (``TraceRequest.token_ids``, with the model's own
+tokenizer), or simulated. Traces save to and load from JSONL, one request per line.
 
 Workloads:
 
 * ``chat``: one shared system prompt, a unique question per request.
+* ``assistant``: real text for the real model: a support assistant's ~600-token system
+  prompt and real short questions, sent as chats (the model's chat template).
 * ``multi_tenant``: ``tenants`` system prompts with Zipf popularity (``zipf`` exponent).
 * ``multi_turn``: conversations whose every turn resends the growing history.
 * ``random``: no shared text at all (the control: prefix routing must not invent savings).
@@ -23,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from cluster.experiments.assistant_prompts import SUPPORT_QUESTIONS, SUPPORT_SYSTEM_PROMPT
 from replica.hashing import BlockHasher
 from replica.tokenizer import Tokenizer
 
@@ -41,9 +44,21 @@ class TraceRequest:
 
     request_id: str
     arrival_s: float
-    prompt: str
+    prompt: str  # the completion prompt, or the user's message when ``system`` is set
     max_tokens: int
     group: str = ""  # the shared prefix it carries: tenant or conversation ("" for none)
+    system: str = ""  # set: a chat request (system prompt + ``prompt``), rendered by the
+    # model's chat template
+
+    def token_ids(self, tokenizer: Tokenizer) -> list[int]:
+        """The prompt as the engine gets it (through the chat template for a chat)."""
+        if not self.system:
+            return tokenizer.encode(self.prompt)
+        messages = [
+            {"role": "system", "content": self.system},
+            {"role": "user", "content": self.prompt},
+        ]
+        return tokenizer.encode_chat(tokenizer.render_chat(messages))
 
 
 @dataclass(frozen=True)
@@ -150,6 +165,24 @@ def multi_turn_trace(spec: WorkloadSpec) -> list[TraceRequest]:
     return trace
 
 
+def assistant_trace(spec: WorkloadSpec) -> list[TraceRequest]:
+    """Chats with a real support assistant: one ~600-token system prompt (in SmolLM2's
+    tokens), real short questions, ``output_tokens`` each (for the real model)."""
+    rng = random.Random(spec.seed)
+    times = _arrivals(rng, spec.num_requests, spec.rate)
+    return [
+        TraceRequest(
+            request_id=f"assistant-{i}",
+            arrival_s=times[i],
+            prompt=f"{rng.choice(SUPPORT_QUESTIONS)} (ticket {i})",
+            max_tokens=rng.randint(*spec.output_tokens),
+            group="support",
+            system=SUPPORT_SYSTEM_PROMPT,
+        )
+        for i in range(spec.num_requests)
+    ]
+
+
 def random_trace(spec: WorkloadSpec) -> list[TraceRequest]:
     rng = random.Random(spec.seed)
     alphabet = "abcdefghijklmnopqrstuvwxyz ,.?"
@@ -169,6 +202,7 @@ def random_trace(spec: WorkloadSpec) -> list[TraceRequest]:
 
 _WORKLOADS = {
     "chat": chat_trace,
+    "assistant": assistant_trace,
     "multi_tenant": multi_tenant_trace,
     "multi_turn": multi_turn_trace,
     "random": random_trace,
@@ -196,7 +230,7 @@ def oracle_hit_rate(
     seen: set[bytes] = set()
     cached = total = 0
     for req in sorted(trace, key=lambda r: r.arrival_s):
-        ids = tokenizer.encode(req.prompt)
+        ids = req.token_ids(tokenizer)
         chain = hasher.chain(ids)
         hits = next((i for i, h in enumerate(chain) if h not in seen), len(chain))
         cached += min(hits, (len(ids) - 1) // hasher.block_size) * hasher.block_size
