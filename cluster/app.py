@@ -22,15 +22,13 @@ def request_router_config(args: ClusterArgs) -> RequestRouterConfig:
     """The engine deployment's router: ours for our policies, else one of Ray's."""
     routing = args.routing
     period = {"request_routing_stats_period_s": routing.stats_period_s}
-    if routing.policy == "ray_default":
-        return RequestRouterConfig(**period)
+    if routing.policy == "ray_default":  # Ray's default, timed where ours is timed
+        timed = "router.timed_ray_router:TimedPowerOfTwoRouter"
+        return RequestRouterConfig(request_router_class=timed, **period)
     if routing.policy == "ray_prefix":
         return RequestRouterConfig(request_router_class=RAY_PREFIX_ROUTER, **period)
     kwargs = {
-        "policy": routing.policy,
-        "epsilon": routing.epsilon,
-        "load_cost_tokens": routing.load_cost_tokens,
-        "min_cached_fraction": routing.min_cached_fraction,
+        "routing": routing.model_dump(),
         "model_id": args.engine.model_id,
         "block_size": args.engine.block_size,
         "index": args.index.model_dump(),
@@ -54,6 +52,7 @@ def build_app(args: dict[str, Any]) -> Application:
         ray_actor_options={"num_cpus": cluster.replica_num_cpus},
         request_router_config=request_router_config(cluster),
     ).bind(cluster.replica_args().model_dump())
-    return Ingress.options(ray_actor_options={"num_cpus": cluster.ingress_num_cpus}).bind(
-        engine, cluster.model_dump()
-    )
+    return Ingress.options(
+        num_replicas=cluster.ingress_replicas,
+        ray_actor_options={"num_cpus": cluster.ingress_num_cpus},
+    ).bind(engine, cluster.model_dump())

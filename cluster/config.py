@@ -27,6 +27,9 @@ class ClusterArgs(BaseModel):
     num_replicas: int = Field(2, gt=0)
     replica_num_cpus: float = Field(0.5, gt=0)
     ingress_num_cpus: float = Field(0.1, gt=0)
+    ingress_replicas: int = Field(
+        1, gt=0, description="ingress replicas; their routers share bookings through Redis"
+    )
     max_ongoing_requests: int = Field(32, gt=0, description="per engine replica")
     max_queued_requests: int = Field(
         64, ge=-1, description="waiting for a replica slot, per ingress; beyond it: 503"

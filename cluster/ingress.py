@@ -71,12 +71,14 @@ async def _start(
 class Admission:
     """Requests this ingress has in the engines, capped so overload is refused at the door
     (503 at once) instead of waiting in a queue: replicas x ``max_ongoing_requests`` plus
-    ``max_queued_requests`` (no cap when that is -1)."""
+    ``max_queued_requests`` (no cap when that is -1), shared evenly by the ingress replicas
+    (the proxy spreads requests over them)."""
 
     def __init__(self, args: ClusterArgs) -> None:
         queued = args.max_queued_requests
         slots = args.num_replicas * args.max_ongoing_requests
-        self.limit = None if queued < 0 else slots + queued
+        share = -(-(slots + queued) // args.ingress_replicas)
+        self.limit = None if queued < 0 else share
         self.in_flight = 0
 
     def enter(self) -> None:
@@ -186,12 +188,16 @@ class Ingress:
         try:
             start = time.monotonic()
             stream, first = await _start(self.engine, request)
+            routing_stats.STATE.prefill_done(request.request_id)
             api_metrics.TTFT.observe(time.monotonic() - start)
             detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
             reply = Reply(
                 kind, self.model_id, body, detokenizer, len(request.prompt_token_ids), first
             )
             headers = {"x-replica-id": first.replica_id}
+            reason = routing_stats.STATE.reason(request.request_id)
+            if reason is not None:  # why the router sent it there (policy, costs)
+                headers["x-routing"] = reason
             if body.stream:
                 response = ReleasingStreamingResponse(
                     reply.sse(stream), release, media_type="text/event-stream", headers=headers

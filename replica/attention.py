@@ -74,29 +74,35 @@ def paged_attention(
     for span in meta.prefills:
         keys = k_cache[span.block_table].flatten(0, 1)[: span.context_len]
         values = v_cache[span.block_table].flatten(0, 1)[: span.context_len]
-        num_q = span.end - span.start
-        query = q[span.start : span.end].transpose(0, 1)  # [heads, num_q, dim]
-        if num_q == span.context_len:
-            mask, causal = None, True
-        else:  # queries sit at the end of the context: a causal mask offset by the cache
-            first = span.context_len - num_q
-            qpos = torch.arange(first, span.context_len).unsqueeze(1)
-            mask, causal = torch.arange(span.context_len).unsqueeze(0) <= qpos, False
-        attended = F.scaled_dot_product_attention(
-            query,
-            keys.transpose(0, 1),
-            values.transpose(0, 1),
-            attn_mask=mask,
-            is_causal=causal,
-            enable_gqa=True,
-        )
-        out[span.start : span.end] = attended.transpose(0, 1)
+        out[span.start : span.end] = _prefill_attention(q[span.start : span.end], keys, values)
     if meta.decode_rows.numel():
         assert meta.decode_plan is not None
         out[meta.decode_rows] = _decode_attention(
             q[meta.decode_rows], k_cache, v_cache, meta.decode_plan
         )
     return out
+
+
+def _prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """A chunk of ``n`` queries at the end of a context of ``len(keys)`` tokens.
+
+    The keys before the chunk (a cached prefix, earlier chunks) are visible to every query,
+    the chunk's own keys causally: two calls of SDPA's CPU flash kernel without a mask
+    (4x faster here than one call with the offset causal mask a chunk needs), merged
+    exactly through their log-sum-exp (``cascade.merge``). Grouped KV heads are expanded.
+    """
+    n, num_heads, head_dim = q.shape
+    first = keys.shape[0] - n
+    group = num_heads // keys.shape[1]
+    query = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
+    k = keys.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
+    v = values.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
+    scale = head_dim**-0.5
+    out, lse = cascade.flash(query, k[:, :, first:], v[:, :, first:], None, scale, causal=True)
+    if first:
+        prefix_out, prefix_lse = cascade.flash(query, k[:, :, :first], v[:, :, :first], None, scale)
+        out = cascade.merge(out.float(), lse, prefix_out.float(), prefix_lse).to(q.dtype)
+    return out[0].transpose(0, 1)
 
 
 def _decode_attention(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -88,7 +89,7 @@ def attend(
     values = v_cache[plan.tail_tables].flatten(1, 2).transpose(1, 2)
     invalid = torch.arange(keys.shape[2]).unsqueeze(0) >= plan.tail_lens.unsqueeze(1)
     bias = torch.zeros(invalid.shape, dtype=grouped_q.dtype).masked_fill_(invalid, -torch.inf)
-    out, lse = _flash(grouped_q, keys, values, bias[:, None, None, :], scale)
+    out, lse = flash(grouped_q, keys, values, bias[:, None, None, :], scale)
     out = out.float()
     for prefix in plan.shared:
         members = prefix.members
@@ -97,27 +98,41 @@ def attend(
         keys = k_cache[prefix.blocks].flatten(0, 1).transpose(0, 1)  # [kv, len, dim]
         values = v_cache[prefix.blocks].flatten(0, 1).transpose(0, 1)
         rows = q.permute(1, 0, 2, 3).reshape(1, kv, n * group, dim)
-        p_out, p_lse = _flash(rows, keys.unsqueeze(0), values.unsqueeze(0), None, scale)
+        p_out, p_lse = flash(rows, keys.unsqueeze(0), values.unsqueeze(0), None, scale)
         p_out = p_out.float().view(kv, n, group, dim).permute(1, 0, 2, 3)
         p_lse = p_lse.view(kv, n, group).permute(1, 0, 2)
-        t_lse = lse[members]
-        total = torch.logaddexp(p_lse, t_lse)
         # slices make these views and in-place updates (the common case: one system prompt)
-        out[members] = p_out * (p_lse - total).exp().unsqueeze(-1) + out[members] * (
-            t_lse - total
-        ).exp().unsqueeze(-1)
-        lse[members] = total
+        out[members], lse[members] = merge(out[members], lse[members], p_out, p_lse, True)
     return out
 
 
-def _flash(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+def flash(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SDPA's CPU flash kernel, which also returns each query's log-sum-exp (what the merge
+    """SDPA's CPU flash kernel, which also returns each query's log-sum-exp (what a merge
     needs): ``[batch, heads, queries, dim]`` in, output and ``[batch, heads, queries]`` out."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, False, attn_mask=mask, scale=scale
+        q, k, v, 0.0, causal, attn_mask=mask, scale=scale
     )
+
+
+def merge(
+    out_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    with_lse: bool = False,
+) -> Any:
+    """Attention over keys A and keys B from attention over each (float32 outputs and their
+    log-sum-exps): the softmax of the union, exactly."""
+    total = torch.logaddexp(lse_a, lse_b)
+    out = out_a * (lse_a - total).exp().unsqueeze(-1) + out_b * (lse_b - total).exp().unsqueeze(-1)
+    return (out, total) if with_lse else out
 
 
 def _common_prefix(tables: list[list[int]]) -> int:

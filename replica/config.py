@@ -41,10 +41,17 @@ class EngineConfig(BaseModel):
     enable_chunked_prefill: bool = Field(
         True, description="split prompts over steps; off: a lone prefill may exceed the budget"
     )
+    decode_reserve: bool = Field(
+        True,
+        description="admit only while running requests keep room to grow; off: admit until "
+        "memory runs out, then preempt",
+    )
     max_model_len: int | None = Field(None, gt=0, description="Defaults to the model's.")
     enable_prefix_cache: bool = True
     seed: int = 0
-    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
+    dtype: Literal["auto", "float32", "float64", "bfloat16"] = Field(
+        "float32", description="auto: bfloat16 where the CPU has native bfloat16, else float32"
+    )
     num_threads: int | None = Field(None, gt=0, description="torch threads; None = default.")
     hash_secret: str | None = Field(None, description="Cluster secret that keys block hashes.")
 

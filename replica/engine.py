@@ -85,6 +85,7 @@ class Engine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.enable_chunked_prefill,
+            config.decode_reserve,
         )
         self.runner = runner if runner is not None else ModelRunner(config)
         self.clock = clock

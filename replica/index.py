@@ -11,6 +11,16 @@ all keys of a namespace share one slot; two clusters or models never share a key
     {ns}:r:<replica>       SET    block hashes the replica holds (to purge without a scan)
     {ns}:stats:<replica>   STRING the replica's engine counters (JSON), refreshed with the
                                   heartbeat, for experiments and operators
+    {ns}:pr:<replica>      ZSET   block hashes routers recently sent there (predicted to be
+                                  held soon) -> expiry (ms, Redis clock)
+    {ns}:bk:<replica>      ZSET   requests routed there and not finished -> expiry
+    {ns}:bt:<replica>      HASH   request -> "prefill tokens:decode blocks" it was booked with
+    {ns}:load:<replica>    HASH   prefill / active / decode: the sums of those bookings
+
+Routers book every request they route (``book``), mark its prompt computed at its first
+token (``prefill_done``) and release it when it ends (``release``), so every ingress sees the
+same, current load; a booking whose release was lost expires. Predicted blocks let the
+followers of a new prompt find it before the replica has published anything.
 
 Only hashes are stored, never tokens or text; with a cluster secret the hashes themselves are
 keyed (``replica.hashing``), so reading Redis does not tell whether a guessed prompt is cached.
@@ -27,7 +37,7 @@ import json
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import redis
@@ -62,6 +72,29 @@ class IndexConfig(BaseModel):
     )
 
 
+@dataclass(frozen=True)
+class ReplicaView:
+    """What the index says about one live replica, for one prompt's chain."""
+
+    held_blocks: int  # leading blocks of the chain it has published
+    predicted_blocks: int  # leading blocks routers recently sent there (not expired)
+    footprint_blocks: int  # distinct blocks it has published in all
+    booked_prefill_tokens: int  # uncached prompt tokens booked on it, not yet computed
+    in_flight: int  # requests booked on it and not released
+    booked_decode_blocks: int  # KV blocks its booked requests hold or will
+
+
+@dataclass(frozen=True)
+class Booking:
+    """One routed request, as a router books it on its replica."""
+
+    replica_id: str
+    request_id: str
+    prefill_tokens: int  # the prompt tokens the replica is predicted to compute
+    decode_blocks: int  # the KV blocks the request will hold (prompt and output)
+    block_hashes: Sequence[bytes]  # its prompt's chain: predicted to be held there soon
+
+
 class StaleEpochError(RuntimeError):
     """The replica is no longer registered with this epoch (replaced, or Redis lost it)."""
 
@@ -73,6 +106,7 @@ class IndexCounters:
     queries: int = 0
     query_failures: int = 0
     queries_skipped: int = 0  # answered "unknown" without asking, after a recent failure
+    booking_failures: int = 0  # bookings, prefill-done marks or releases Redis did not take
 
 
 class BlockIndex:
@@ -101,7 +135,15 @@ class BlockIndex:
                 ("reap", scripts.REAP),
             )
         }
-        self._aquery = self._aredis.register_script(scripts.QUERY)
+        self._ascripts = {
+            name: self._aredis.register_script(src)
+            for name, src in (
+                ("query", scripts.QUERY),
+                ("book", scripts.BOOK),
+                ("prefill_done", scripts.PREFILL_DONE),
+                ("release", scripts.RELEASE),
+            )
+        }
         self.counters = IndexCounters()
         self._skip_until = 0.0
         self._lock = threading.Lock()
@@ -168,25 +210,51 @@ class BlockIndex:
 
     # -- router side (never raise: None means "unknown, fall back") ---------------------------
 
-    def query(self, block_hashes: Sequence[bytes]) -> dict[str, int] | None:
-        """For every live replica, how many leading blocks of the chain it holds."""
+    def query(self, block_hashes: Sequence[bytes]) -> dict[str, ReplicaView] | None:
+        """For every live replica, what it holds of the chain, its footprint and bookings."""
         if not self._may_ask():
             return None
         try:
             flat = self._scripts["query"](args=[self.namespace, *block_hashes])
         except redis.RedisError:
             return self._failed()
-        return _pairs(flat)
+        return _views(flat)
 
-    async def aquery(self, block_hashes: Sequence[bytes]) -> dict[str, int] | None:
+    def held(self, block_hashes: Sequence[bytes]) -> dict[str, int] | None:
+        """For every live replica, how many leading blocks of the chain it has published."""
+        views = self.query(block_hashes)
+        return None if views is None else {rid: v.held_blocks for rid, v in views.items()}
+
+    async def aquery(self, block_hashes: Sequence[bytes]) -> dict[str, ReplicaView] | None:
         """``query`` for an event loop (the request router's)."""
         if not self._may_ask():
             return None
         try:
-            flat = await self._aquery(args=[self.namespace, *block_hashes])
+            flat = await self._ascripts["query"](args=[self.namespace, *block_hashes])
         except (redis.RedisError, OSError):
             return self._failed()
-        return _pairs(flat)
+        return _views(flat)
+
+    async def abook(self, booking: Booking, predict_ttl_s: float, booking_ttl_s: float) -> bool:
+        """Book a routed request on its replica; False if Redis did not take it."""
+        args = (
+            booking.replica_id,
+            booking.request_id,
+            booking.prefill_tokens,
+            booking.decode_blocks,
+            int(booking_ttl_s * 1000),
+            int(predict_ttl_s * 1000),
+            *booking.block_hashes,
+        )
+        return await self._awrite("book", *args)
+
+    async def aprefill_done(self, replica_id: str, request_id: str) -> bool:
+        """A booked request's prompt is computed (its first token came)."""
+        return await self._awrite("prefill_done", replica_id, request_id)
+
+    async def arelease(self, replica_id: str, request_id: str) -> bool:
+        """A booked request is over."""
+        return await self._awrite("release", replica_id, request_id)
 
     def ping(self) -> bool:
         try:
@@ -201,6 +269,15 @@ class BlockIndex:
 
     def _run(self, name: str, *args: object) -> object:
         return self._scripts[name](args=[self.namespace, *args])
+
+    async def _awrite(self, name: str, *args: object) -> bool:
+        try:
+            await self._ascripts[name](args=[self.namespace, *args])
+        except (redis.RedisError, OSError):
+            with self._lock:
+                self.counters.booking_failures += 1
+            return False
+        return True
 
     def _registry(self) -> dict[bytes, bytes]:
         return self._redis.hgetall(f"{self.namespace}:replicas")
@@ -223,5 +300,9 @@ class BlockIndex:
         return None
 
 
-def _pairs(flat: list) -> dict[str, int]:
-    return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+def _views(flat: list) -> dict[str, ReplicaView]:
+    width = len(fields(ReplicaView)) + 1
+    return {
+        flat[i].decode(): ReplicaView(*(int(v) for v in flat[i + 1 : i + width]))
+        for i in range(0, len(flat), width)
+    }

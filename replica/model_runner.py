@@ -8,12 +8,11 @@ from replica.attention import AttentionMetadata, KVCache, PrefillSpan
 from replica.cascade import plan_decodes
 from replica.checkpoints import CheckpointError, checkpoint_for
 from replica.config import EngineConfig
+from replica.cpu import resolve_dtype
 from replica.memory import keep_freed_memory_mapped
 from replica.model import LlamaForCausalLM
 from replica.packed_linear import pack_linears
 from replica.scheduler import ScheduledBatch
-
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 class ModelRunner:
@@ -23,7 +22,7 @@ class ModelRunner:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         keep_freed_memory_mapped()
-        dtype = _DTYPES[config.dtype]
+        dtype = resolve_dtype(config.dtype)
         checkpoint = checkpoint_for(config.model)
         model = LlamaForCausalLM(config.shape)
         state = checkpoint.state_dict()

@@ -68,7 +68,9 @@ class Scheduler:
     """Decodes first, then prompt chunks, within one token budget per step (module doc).
 
     With ``chunked_prefill`` off, a prompt runs in one step (a lone prefill may exceed the
-    budget), as before chunking: kept for comparison.
+    budget); with ``decode_reserve`` off, admission keeps no room for running requests to
+    grow (vLLM's way: preempt when memory runs out). Both off is the scheduler as it was
+    before chunking, kept for comparison.
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         chunked_prefill: bool = True,
+        decode_reserve: bool = True,
     ) -> None:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs")
@@ -84,6 +87,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
+        self.decode_reserve = decode_reserve
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.reserve_ratio = _RATIO_START
@@ -116,6 +120,8 @@ class Scheduler:
     def reserve_blocks(self) -> int:
         """Blocks kept free for the running requests' next tokens (``reserve_ratio`` of the
         tokens they may still generate)."""
+        if not self.decode_reserve:
+            return 0
         growth = sum(s.params.max_tokens - s.num_output_tokens for s in self.running)
         return math.ceil(self.reserve_ratio * growth / self.block_manager.block_size)
 

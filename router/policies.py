@@ -1,7 +1,9 @@
 """Routing policies as plain Python: used by the Ray Serve router and by the simulator.
 
 A policy ranks the live replicas for one request, best first. The caller tries them in that
-order, so a full first choice spills over to the next instead of queueing forever.
+order, so a full first choice spills over to the next instead of queueing forever; a policy
+that leaves replicas out (a peer that waits for its affine replica) makes the request wait
+for one it listed.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import abc
 import bisect
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -22,35 +24,53 @@ class RoutingRequest:
     affinity_key: bytes  # BlockHasher.affinity_key: the first K blocks (or the partial block)
     num_prompt_tokens: int
     block_size: int
+    request_id: str = ""
+
+    @property
+    def usable_tokens(self) -> int:
+        """The most prompt tokens a cache can serve: at least one token always runs."""
+        return (self.num_prompt_tokens - 1) // self.block_size * self.block_size
 
 
 @dataclass(frozen=True)
-class ReplicaLoad:
-    """A live replica and its load as the router sees it, now: requests routed to it and
-    not finished. (Replicas also report queued prefill tokens and free blocks, but those
-    reach the router a stats period late, and a stale queue misroutes: see README.)"""
+class ReplicaState:
+    """A live replica as the router sees it now, for this request.
+
+    Load comes from the routers' own bookings (what they sent and has not finished), not
+    from polled stats, so it is never a stats period late. The cache fields come from the
+    index and are None when it is unknown (Redis unreachable).
+    """
 
     replica_id: str
-    in_flight: int = 0
+    in_flight: int = 0  # requests routed to it and not finished
+    booked_prefill_tokens: int = 0  # uncached prompt tokens routed to it, not yet computed
+    booked_decode_blocks: int = 0  # KV blocks its routed, unfinished requests will hold
+    cached_blocks: int | None = None  # leading blocks of this request's chain it holds
+    predicted_blocks: int = 0  # leading blocks recent decisions booked to it (short TTL)
+    footprint_blocks: int = 0  # distinct blocks it holds (its share of the cached working set)
+
+    @property
+    def held_blocks(self) -> int:
+        """Leading blocks it holds or will hold shortly (published, or predicted at routing)."""
+        return max(self.cached_blocks or 0, self.predicted_blocks)
 
 
 class RoutingPolicy(abc.ABC):
-    """Ranks replicas for a request. ``index_answer`` maps replica id to the number of
-    leading blocks of the request's chain it holds, or is None when the index is unknown."""
+    """Ranks replicas for a request; ``explain`` says why the last one went where it did."""
 
     name: str
+    uses_index = False  # whether ``rank`` reads the cache fields (the caller then asks)
 
-    def on_routed(self, replica_id: str) -> None:  # noqa: B027 (optional hook)
+    def on_routed(self, request: RoutingRequest, replica_id: str) -> None:  # noqa: B027
         """The request ranked last went to ``replica_id`` (not always the first choice)."""
 
     @abc.abstractmethod
-    def rank(
-        self,
-        request: RoutingRequest,
-        replicas: Sequence[ReplicaLoad],
-        index_answer: Mapping[str, int] | None = None,
-    ) -> list[str]:
-        """Every replica id exactly once, the preferred first."""
+    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> list[str]:
+        """Replica ids, the preferred first (usually every replica once)."""
+
+    def explain(self) -> str:
+        """A line about the last decision, for a debug header or log."""
+        return self.name
 
 
 def rendezvous_order(key: bytes, replica_ids: Sequence[str]) -> list[str]:
@@ -74,7 +94,7 @@ class BoundedLoad:
 
     epsilon: float = 0.25
 
-    def overloaded(self, replicas: Sequence[ReplicaLoad]) -> set[str]:
+    def overloaded(self, replicas: Sequence[ReplicaState]) -> set[str]:
         if not replicas:
             return set()
         mean = (sum(r.in_flight for r in replicas) + 1) / len(replicas)
@@ -94,15 +114,10 @@ class RoundRobin(RoutingPolicy):
     def __init__(self) -> None:
         self._last = ""
 
-    def on_routed(self, replica_id: str) -> None:
+    def on_routed(self, request: RoutingRequest, replica_id: str) -> None:
         self._last = replica_id
 
-    def rank(
-        self,
-        request: RoutingRequest,
-        replicas: Sequence[ReplicaLoad],
-        index_answer: Mapping[str, int] | None = None,
-    ) -> list[str]:
+    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> list[str]:
         ids = sorted(r.replica_id for r in replicas)
         start = bisect.bisect_right(ids, self._last) % len(ids) if ids else 0
         return ids[start:] + ids[:start]
@@ -121,31 +136,20 @@ class PrefixAffinity(RoutingPolicy):
     def __init__(self, bound: BoundedLoad = BoundedLoad()) -> None:
         self.bound = bound
 
-    def rank(
-        self,
-        request: RoutingRequest,
-        replicas: Sequence[ReplicaLoad],
-        index_answer: Mapping[str, int] | None = None,
-    ) -> list[str]:
+    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> list[str]:
         order = rendezvous_order(request.affinity_key, [r.replica_id for r in replicas])
         full = self.bound.overloaded(replicas)
         return [r for r in order if r not in full] + [r for r in order if r in full]
 
 
 class CacheAware(RoutingPolicy):
-    """Lowest estimated cost, where cost = prefill tokens left after the cache credit plus
-    queued work, from the index's answer of how much of this prompt each replica holds.
-
-    Queued work is ``load_cost_tokens`` per request in flight on the replica. Replicas over
-    the bounded-load cap go last; ties follow rendezvous order.
-
-    The cache is only worth steering for when it holds a real part of the prompt: if no
-    replica holds at least ``min_cached_fraction`` of it (a new prompt that shares only a chat
-    template's first blocks, say), or the index is unknown, this is ``PrefixAffinity``, which
-    spreads distinct prompts and lands the followers of a new prompt together.
-    """
+    """The previous default: lowest ``uncached prompt tokens + load_cost_tokens x in
+    flight``, replicas over the bounded-load cap last, ties in rendezvous order; below
+    ``min_cached_fraction`` held anywhere (or with the index unknown) it is
+    ``PrefixAffinity``. Kept as a baseline for ``prefill_cost``."""
 
     name = "cache_aware"
+    uses_index = True
 
     def __init__(
         self,
@@ -158,19 +162,14 @@ class CacheAware(RoutingPolicy):
         self.load_cost_tokens = load_cost_tokens
         self.min_cached_fraction = min_cached_fraction
 
-    def rank(
-        self,
-        request: RoutingRequest,
-        replicas: Sequence[ReplicaLoad],
-        index_answer: Mapping[str, int] | None = None,
-    ) -> list[str]:
+    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> list[str]:
         base = self.affinity.rank(request, replicas)
-        if not index_answer:
+        if all(r.cached_blocks is None for r in replicas):
             return base
-        usable = (request.num_prompt_tokens - 1) // request.block_size * request.block_size
+        usable = request.usable_tokens
 
-        def credit(r: ReplicaLoad) -> int:
-            return min(index_answer.get(r.replica_id, 0) * request.block_size, usable)
+        def credit(r: ReplicaState) -> int:
+            return min((r.cached_blocks or 0) * request.block_size, usable)
 
         best = max((credit(r) for r in replicas), default=0)
         if best == 0 or best < self.min_cached_fraction * request.num_prompt_tokens:
@@ -178,24 +177,8 @@ class CacheAware(RoutingPolicy):
         position = {rid: i for i, rid in enumerate(base)}
         full = self.bound.overloaded(replicas)
 
-        def cost(r: ReplicaLoad) -> tuple[bool, int, int]:
-            cached = credit(r)
-            work = request.num_prompt_tokens - cached + self.load_cost_tokens * r.in_flight
+        def cost(r: ReplicaState) -> tuple[bool, int, int]:
+            work = request.num_prompt_tokens - credit(r) + self.load_cost_tokens * r.in_flight
             return r.replica_id in full, work, position[r.replica_id]
 
         return [r.replica_id for r in sorted(replicas, key=cost)]
-
-
-def make_policy(
-    name: str,
-    bound: BoundedLoad = BoundedLoad(),
-    load_cost_tokens: int = 256,
-    min_cached_fraction: float = 0.5,
-) -> RoutingPolicy:
-    if name == "round_robin":
-        return RoundRobin()
-    if name == "prefix_affinity":
-        return PrefixAffinity(bound)
-    if name == "cache_aware":
-        return CacheAware(bound, load_cost_tokens, min_cached_fraction)
-    raise ValueError(f"unknown routing policy {name!r}")

@@ -8,7 +8,7 @@ and is reached as ``routing_stats.STATE``, never imported into the router's name
 from __future__ import annotations
 
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import asdict
 from typing import Any
 
@@ -43,13 +43,15 @@ REPLICA_GAUGES = {
 
 
 class RouterState:
-    """Requests routed, recent decision times, and the live replicas' routing stats (read
-    from the router when asked, as Serve pushes them every stats period)."""
+    """Requests routed, recent decision times and reasons, and the live replicas' routing
+    stats (read from the router when asked, as Serve pushes them every stats period). The
+    ingress reaches the router through it (``prefill_done``, ``reason``)."""
 
     def __init__(self) -> None:
         self.policy = ""
         self.routed: dict[str, int] = {}
         self.decision_s: deque[float] = deque(maxlen=10_000)
+        self._reasons: OrderedDict[str, str] = OrderedDict()  # request -> why it went there
         self._router: weakref.ref[Any] | None = None
 
     def attach(self, router: Any) -> None:
@@ -71,9 +73,22 @@ class RouterState:
                     gauge.labels(rid).set(values[key])
         return stats
 
-    def record_decision(self, seconds: float) -> None:
+    def record_decision(self, request_id: str, seconds: float, reason: str) -> None:
         self.decision_s.append(seconds)
         DECISION_SECONDS.observe(seconds)
+        self._reasons[request_id] = reason
+        while len(self._reasons) > _MAX_REASONS:
+            self._reasons.popitem(last=False)
+
+    def reason(self, request_id: str) -> str | None:
+        """Why the router sent a recent request where it did (its policy's explanation)."""
+        return self._reasons.get(request_id)
+
+    def prefill_done(self, request_id: str) -> None:
+        """The ingress saw a request's first token: the router releases its prefill load."""
+        router = self._router() if self._router is not None else None
+        if router is not None and hasattr(router, "prefill_done"):
+            router.prefill_done(request_id)
 
     def record_routed(self, replica_id: str) -> None:
         self.routed[replica_id] = self.routed.get(replica_id, 0) + 1
@@ -86,10 +101,12 @@ class RouterState:
             "policy": self.policy,
             "routed": dict(self.routed),
             "index": asdict(index.counters) if index is not None else None,
+            "bookings_in_flight": len(router.bookings) if hasattr(router, "bookings") else None,
             "replicas": self.replica_stats(),
             "decision_p50_s": percentile(self.decision_s, 50),
             "decision_p99_s": percentile(self.decision_s, 99),
         }
 
 
+_MAX_REASONS = 1024
 STATE = RouterState()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 import time
@@ -12,7 +13,7 @@ import redis
 from cluster.experiments.redis_server import LocalRedis
 from replica.engine import Engine, EngineConfig, SamplingParams
 from replica.hashing import BlockHasher
-from replica.index import BlockIndex, IndexConfig, StaleEpochError
+from replica.index import BlockIndex, Booking, IndexConfig, ReplicaView, StaleEpochError
 from replica.index_publisher import IndexPublisher
 
 MODEL = "tiny-llama-6m"
@@ -35,11 +36,11 @@ def test_query_gives_each_live_replica_its_longest_consecutive_prefix(fresh_redi
     for rid, blocks in holdings.items():
         index.register(rid, "e1")
         index.publish(rid, "e1", blocks)
-    assert index.query(H[:4]) == {"a": 4, "b": 2, "c": 0, "d": 0}
-    assert index.query(H[:2]) == {"a": 2, "b": 2, "c": 0, "d": 0}
+    assert index.held(H[:4]) == {"a": 4, "b": 2, "c": 0, "d": 0}
+    assert index.held(H[:2]) == {"a": 2, "b": 2, "c": 0, "d": 0}
     index.publish("a", "e1", stored=[], removed=[H[2]])
-    assert index.query(H[:4])["a"] == 2
-    assert index.query([]) == {"a": 0, "b": 0, "c": 0, "d": 0}
+    assert index.held(H[:4])["a"] == 2
+    assert index.held([]) == {"a": 0, "b": 0, "c": 0, "d": 0}
     assert index.counters.query_failures == 0
 
 
@@ -54,7 +55,7 @@ def test_an_expired_heartbeat_removes_a_replica_from_answers_and_reap_purges_it(
     while time.monotonic() < deadline:
         assert index.heartbeat("alive", "e1", stats={"hit_rate": 0.5})
         time.sleep(0.05)
-    assert index.query(H[:3]) == {"alive": 3}
+    assert index.held(H[:3]) == {"alive": 3}
     assert set(index.live_replicas()) == {"alive"}
     assert index.replica_stats() == {"alive": {"hit_rate": 0.5}}
     assert index.reap() == 1
@@ -69,7 +70,7 @@ def test_a_new_epoch_purges_the_old_entries_and_fences_the_old_writer(fresh_redi
     index.publish("r", "old", H[:5])
     assert index.register("r", "new") == 5  # purged
     assert index.replica_blocks("r") == set()
-    assert index.query(H[:5]) == {"r": 0}
+    assert index.held(H[:5]) == {"r": 0}
     with pytest.raises(StaleEpochError):
         index.publish("r", "old", H[:5])
     assert not index.heartbeat("r", "old")
@@ -81,7 +82,7 @@ def test_deregistration_purges(fresh_redis) -> None:
     index.register("r", "e")
     index.publish("r", "e", H)
     index.deregister("r", "e")
-    assert index.query(H) == {}
+    assert index.held(H) == {}
     assert index.replica_blocks("r") == set()
     client = redis.Redis.from_url(fresh_redis.url)
     assert client.keys(f"{index.namespace}*".encode()) == []
@@ -95,11 +96,11 @@ def test_namespaces_isolate_two_clusters_on_one_redis(fresh_redis) -> None:
     blue.publish("r1", "e", H[:3])
     green.register("r1", "e")
     green.publish("r1", "e", H[:1])
-    assert blue.query(H[:3]) == {"r1": 3}
-    assert green.query(H[:3]) == {"r1": 1}
-    assert other_model.query(H[:3]) == {}
+    assert blue.held(H[:3]) == {"r1": 3}
+    assert green.held(H[:3]) == {"r1": 1}
+    assert other_model.held(H[:3]) == {}
     green.deregister("r1", "e")
-    assert blue.query(H[:3]) == {"r1": 3}
+    assert blue.held(H[:3]) == {"r1": 3}
 
 
 def test_the_index_equals_the_engine_cached_set_through_evictions(fresh_redis) -> None:
@@ -121,9 +122,9 @@ def test_the_index_equals_the_engine_cached_set_through_evictions(fresh_redis) -
     # the router's view: the replica holds the full cached prefix of a prompt it served
     chain = engine.hasher.chain(prompts(6, 4)[0])
     expected = len(engine.block_manager.prefix_cache.lookup(prompts(6, 4)[0]))
-    assert index.query(chain) == {"replica-0": expected}
+    assert index.held(chain) == {"replica-0": expected}
     publisher.close()
-    assert index.query(chain) == {}
+    assert index.held(chain) == {}
 
 
 def test_killing_redis_never_stops_the_engine_and_a_resync_repairs_the_index(
@@ -141,7 +142,7 @@ def test_killing_redis_never_stops_the_engine_and_a_resync_repairs_the_index(
     t0 = time.monotonic()
     outs = engine.generate(prompts(6, 1), params)  # evicts and publishes while Redis is gone
     assert all(len(o.token_ids) == 16 for o in outs)
-    assert index.query(engine.hasher.chain(prompts(6, 1)[0])) is None  # unknown, not an error
+    assert index.held(engine.hasher.chain(prompts(6, 1)[0])) is None  # unknown, not an error
     assert time.monotonic() - t0 < 30
     deadline = time.monotonic() + 5
     while publisher.counters.failures == 0 and time.monotonic() < deadline:
@@ -169,21 +170,21 @@ def test_queries_answer_unknown_quickly_when_redis_is_down_or_slow(fresh_redis) 
     sleeper.start()
     time.sleep(0.1)
     t0 = time.monotonic()
-    assert index.query(H[:2]) is None  # slow: times out
+    assert index.held(H[:2]) is None  # slow: times out
     assert time.monotonic() - t0 < 0.3
     t0 = time.monotonic()
-    assert index.query(H[:2]) is None  # within retry_after_s: not even asked
+    assert index.held(H[:2]) is None  # within retry_after_s: not even asked
     assert time.monotonic() - t0 < 0.01
     sleeper.join()
     assert index.counters.query_failures == 1
     assert index.counters.queries_skipped == 1
     time.sleep(0.5)
-    assert index.query(H[:2]) == {"r": 2}
+    assert index.held(H[:2]) == {"r": 2}
 
     fresh_redis.stop()
     down = index_for(fresh_redis)
     t0 = time.monotonic()
-    assert down.query(H[:2]) is None  # down: connection refused
+    assert down.held(H[:2]) is None  # down: connection refused
     assert time.monotonic() - t0 < 0.3
     assert down.counters.query_failures == 1
 
@@ -204,5 +205,71 @@ def test_a_keyed_index_stores_only_keyed_hashes(fresh_redis) -> None:
     keys = set(client.keys(b"*"))
     assert stored.isdisjoint(guesses)
     assert not any(k.endswith(g) for k in keys for g in guesses)
-    assert index.query(unkeyed.chain(batch[0])) == {"replica-0": 0}
+    assert index.held(unkeyed.chain(batch[0])) == {"replica-0": 0}
     publisher.close()
+
+
+def test_bookings_from_two_routers_add_up_and_release_exactly(fresh_redis) -> None:
+    first, second = index_for(fresh_redis), index_for(fresh_redis)  # two ingress replicas
+    for rid in ("r0", "r1"):
+        first.register(rid, "e")
+
+    async def scenario() -> list[dict[str, ReplicaView]]:
+        seen = []
+        await first.abook(Booking("r0", "q1", 100, 10, H[:3]), 5.0, 60.0)
+        await second.abook(Booking("r0", "q2", 50, 5, H[:1]), 5.0, 60.0)
+        seen.append(second.query(H[:4]))
+        await first.aprefill_done("r0", "q1")  # its first token: no longer prefill
+        seen.append(first.query(H[:4]))
+        await second.arelease("r0", "q1")
+        await first.arelease("r0", "q1")  # a second release changes nothing
+        seen.append(first.query(H[:4]))
+        await first.arelease("r0", "q2")
+        seen.append(second.query(H[:4]))
+        return seen
+
+    booked, prefilled, released, empty = asyncio.run(scenario())
+    # predicted: q1 booked H[0..2] there, q2 H[0]: the longest run counts
+    assert booked["r0"] == ReplicaView(0, 3, 0, 150, 2, 15)
+    assert booked["r1"] == ReplicaView(0, 0, 0, 0, 0, 0)
+    assert prefilled["r0"] == ReplicaView(0, 3, 0, 50, 2, 15)
+    assert released["r0"] == ReplicaView(0, 3, 0, 50, 1, 5)
+    assert empty["r0"] == ReplicaView(0, 3, 0, 0, 0, 0)
+
+
+def test_a_lost_release_and_a_prediction_expire(fresh_redis) -> None:
+    index = index_for(fresh_redis)
+    index.register("r0", "e")
+    index.publish("r0", "e", H[:2])
+
+    async def scenario() -> tuple[ReplicaView, ReplicaView]:
+        # its ingress dies: no release will ever come for "lost"
+        await index.abook(Booking("r0", "lost", 64, 4, H[:6]), 0.3, 0.3)
+        before = index.query(H[:6])["r0"]
+        deadline = time.monotonic() + 10
+        while index.query(H[:6])["r0"].predicted_blocks:  # expire by Redis' clock
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        await index.abook(Booking("r0", "next", 32, 2, H[:1]), 60.0, 60.0)
+        return before, index.query(H[:6])["r0"]
+
+    before, after = asyncio.run(scenario())
+    assert before == ReplicaView(2, 6, 2, 64, 1, 4)
+    # the next booking on r0 dropped the expired one: only its own load is left
+    assert after == ReplicaView(2, 1, 2, 32, 1, 2)
+
+
+def test_deregistration_purges_bookings_and_predictions(fresh_redis) -> None:
+    index = index_for(fresh_redis)
+    index.register("r0", "e")
+    asyncio.run(index.abook(Booking("r0", "q", 10, 1, H[:2]), 60.0, 60.0))
+    index.deregister("r0", "e")
+    client = redis.Redis.from_url(fresh_redis.url)
+    assert client.keys(f"{index.namespace}*".encode()) == []
+
+
+def test_booking_failures_are_counted_never_raised(fresh_redis) -> None:
+    index = index_for(fresh_redis)
+    fresh_redis.stop()
+    assert asyncio.run(index.abook(Booking("r0", "q", 10, 1, H[:2]), 5.0, 60.0)) is False
+    assert index.counters.booking_failures == 1

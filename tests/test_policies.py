@@ -5,16 +5,18 @@ from __future__ import annotations
 import os
 
 from replica.hashing import BlockHasher
+from router.config import RoutingConfig, make_policy
+from router.peer_policies import DynamoKV, RayPrefixSim, SGLangCacheAware
 from router.policies import (
     BoundedLoad,
     CacheAware,
     PrefixAffinity,
-    ReplicaLoad,
+    ReplicaState,
     RoundRobin,
     RoutingRequest,
-    make_policy,
     rendezvous_order,
 )
+from router.prefill_cost import CostKnobs, PrefillCost
 
 HASHER = BlockHasher(16, "m")
 
@@ -25,8 +27,13 @@ def request(seed: int, num_blocks: int = 8, extra: int = 5) -> RoutingRequest:
     return RoutingRequest(chain, HASHER.affinity_key(tokens, 4, chain=chain), len(tokens), 16)
 
 
-def loads(*in_flight: int) -> list[ReplicaLoad]:
-    return [ReplicaLoad(f"r{i}", n) for i, n in enumerate(in_flight)]
+def loads(*in_flight: int, answer: dict[str, int] | None = None) -> list[ReplicaState]:
+    """Replicas r0, r1, ... with these in-flight counts; ``answer``: the index's held blocks
+    (None: the index is unknown)."""
+    return [
+        ReplicaState(f"r{i}", n, cached_blocks=None if answer is None else answer.get(f"r{i}", 0))
+        for i, n in enumerate(in_flight)
+    ]
 
 
 def test_rendezvous_moves_about_one_nth_of_keys_when_a_replica_joins_or_leaves() -> None:
@@ -51,8 +58,13 @@ def test_prefix_affinity_keeps_a_shared_prompt_together_and_spreads_distinct_one
     assert len(same) == 1  # the first 4 blocks decide; the tails differ
     firsts = [policy.rank(request(s), loads(0, 0, 0, 0))[0] for s in range(64)]
     assert len(set(firsts)) == 4
-    short = RoutingRequest([], HASHER.affinity_key([1, 2, 3], 4), 3, 16)
-    assert policy.rank(short, loads(0, 0)) == policy.rank(short, loads(0, 0))
+    # a prompt shorter than a block is placed by its partial block: stable, and spread
+    shorts = [
+        RoutingRequest([], HASHER.affinity_key([i, i + 1, i + 2], 4), 3, 16) for i in range(32)
+    ]
+    choices = [policy.rank(short, loads(0, 0, 0, 0))[0] for short in shorts]
+    assert len(set(choices)) == 4
+    assert choices == [policy.rank(short, loads(0, 0, 0, 0))[0] for short in shorts]
 
 
 def test_bounded_load_spills_a_hot_key_to_its_next_choice() -> None:
@@ -63,7 +75,7 @@ def test_bounded_load_spills_a_hot_key_to_its_next_choice() -> None:
     in_flight = {r: 0 for r in order}
     placed = []
     for _ in range(40):
-        choice = policy.rank(hot, [ReplicaLoad(r, n) for r, n in in_flight.items()])[0]
+        choice = policy.rank(hot, [ReplicaState(r, n) for r, n in in_flight.items()])[0]
         in_flight[choice] += 1
         placed.append(choice)
     assert placed[0] == first
@@ -79,19 +91,19 @@ def test_cache_aware_prefers_the_longest_cached_prefix_unless_it_is_overloaded()
     policy = CacheAware(BoundedLoad(epsilon=0.25), load_cost_tokens=64)
     req = request(5, num_blocks=8)
     answer = {"r0": 2, "r1": 8, "r2": 0, "r3": 5}
-    assert policy.rank(req, loads(0, 0, 0, 0), answer)[:2] == ["r1", "r3"]
+    assert policy.rank(req, loads(0, 0, 0, 0, answer=answer))[:2] == ["r1", "r3"]
     # one request in flight on r1 (64 tokens) outweighs its 3 more cached blocks (48)...
-    assert policy.rank(req, loads(0, 1, 0, 0), answer)[0] == "r3"
+    assert policy.rank(req, loads(0, 1, 0, 0, answer=answer))[0] == "r3"
     # ...and over the bounded-load cap it goes last whatever it holds
-    assert policy.rank(req, loads(0, 9, 0, 0), answer)[-1] == "r1"
+    assert policy.rank(req, loads(0, 9, 0, 0, answer=answer))[-1] == "r1"
 
 
 def test_cache_aware_credit_is_capped_so_one_token_always_runs() -> None:
     policy = CacheAware(load_cost_tokens=1)
     req = request(6, num_blocks=4, extra=0)  # 64 tokens: at most 3 blocks can be credited
-    answer = {"r0": 4, "r1": 3}
+    states = [ReplicaState("r0", 1, cached_blocks=4), ReplicaState("r1", 0, cached_blocks=3)]
     # equal credit (48 tokens), so load decides, then rendezvous order
-    assert policy.rank(req, [ReplicaLoad("r0", 1), ReplicaLoad("r1", 0)], answer)[0] == "r1"
+    assert policy.rank(req, states)[0] == "r1"
 
 
 def test_cache_aware_falls_back_to_affinity_when_the_index_is_unknown_or_empty() -> None:
@@ -99,10 +111,10 @@ def test_cache_aware_falls_back_to_affinity_when_the_index_is_unknown_or_empty()
     for seed in range(10):
         req = request(seed)  # 8 blocks + 5 tokens
         expected = affinity.rank(req, loads(0, 0, 0))
-        assert aware.rank(req, loads(0, 0, 0), None) == expected
-        assert aware.rank(req, loads(0, 0, 0), {"r0": 0, "r1": 0, "r2": 0}) == expected
+        assert aware.rank(req, loads(0, 0, 0)) == expected
+        assert aware.rank(req, loads(0, 0, 0, answer={})) == expected
         # a short shared head (a chat template) is not worth steering for
-        assert aware.rank(req, loads(0, 0, 0), {"r0": 2, "r1": 2, "r2": 0}) == expected
+        assert aware.rank(req, loads(0, 0, 0, answer={"r0": 2, "r1": 2})) == expected
 
 
 def test_round_robin_cycles_and_every_policy_ranks_every_replica_once() -> None:
@@ -111,11 +123,112 @@ def test_round_robin_cycles_and_every_policy_ranks_every_replica_once() -> None:
     for _ in range(6):
         placed.append(rr.rank(request(0), loads(0, 0, 0))[0])
         assert rr.rank(request(0), loads(0, 0, 0))[0] == placed[-1]  # asking again: same
-        rr.on_routed(placed[-1])
+        rr.on_routed(request(0), placed[-1])
     assert placed == ["r0", "r1", "r2"] * 2
-    rr.on_routed("r1")  # a spill-over: the turn continues after where it really went
+    rr.on_routed(request(0), "r1")  # a spill-over: the turn continues after where it went
     assert rr.rank(request(0), loads(0, 0, 0)) == ["r2", "r0", "r1"]
-    for name in ("round_robin", "prefix_affinity", "cache_aware"):
-        ranked = make_policy(name).rank(request(1), loads(3, 0, 1), {"r1": 2})
+    for name in ("round_robin", "prefix_affinity", "cache_aware", "prefill_cost", "dynamo_kv"):
+        policy = make_policy(RoutingConfig(policy=name))
+        ranked = policy.rank(request(1), loads(3, 0, 1, answer={"r1": 2}))
         assert sorted(ranked) == ["r0", "r1", "r2"]
-    assert make_policy("cache_aware").rank(request(1), []) == []
+        assert policy.rank(request(1), []) == []
+
+
+def cost_policy(**knobs) -> PrefillCost:
+    return PrefillCost(CostKnobs(**knobs))
+
+
+def state(rid: str, **fields) -> ReplicaState:
+    return ReplicaState(rid, cached_blocks=fields.pop("cached_blocks", 0), **fields)
+
+
+def test_prefill_cost_is_prompt_left_plus_booked_prefill_plus_decodes() -> None:
+    policy = cost_policy(decode_cost_tokens=10)
+    req = request(7, num_blocks=8, extra=5)  # 133 tokens; at most 128 can be cached
+    replicas = [
+        state("a", cached_blocks=8, in_flight=2, booked_prefill_tokens=100),
+        state("b", predicted_blocks=3, in_flight=1),  # booked by a recent decision
+        state("c", cached_blocks=2, predicted_blocks=5),  # held = the longer of the two
+    ]
+    assert policy.costs(req, replicas) == {
+        "a": 100 + (133 - 128) + 2 * 10,
+        "b": 0 + (133 - 48) + 10,
+        "c": 0 + (133 - 80) + 0,
+    }
+
+
+def test_prefill_cost_sticks_to_the_holder_within_its_budget_then_spills() -> None:
+    req = request(8, num_blocks=8)  # 133 tokens
+    policy = cost_policy(decode_cost_tokens=0, sticky_budget_tokens=200)
+    idle = [state("a", cached_blocks=8), state("b"), state("c")]
+    assert policy.rank(req, idle)[0] == "a"
+    # a is dearer by 128 + 100 - 128 = 100 < 200: it keeps the prompt
+    busy = [state("a", cached_blocks=8, booked_prefill_tokens=228), state("b"), state("c")]
+    assert policy.rank(req, busy)[0] == "a" and policy.explain().startswith("prefill_cost sticky")
+    # dearer by 500 - 128 + 5 - 133 = 244 > 200: it spills to the cheapest, a hot prompt
+    # is now booked (predicted) on a second replica
+    hot = [
+        state("a", cached_blocks=8, booked_prefill_tokens=500),
+        state("b"),
+        state("c", in_flight=1),
+    ]
+    ranked = policy.rank(req, hot)
+    assert ranked[0] == "b" and policy.explain().startswith("prefill_cost spill")
+    assert ranked == ["b", "c", "a"]  # then by cost: every replica, so a full one spills
+
+
+def test_a_new_prefix_goes_to_the_smallest_footprint_among_the_near_cheapest() -> None:
+    req = request(9, num_blocks=4)  # 69 tokens, held nowhere
+    policy = cost_policy(decode_cost_tokens=0, new_prefix_slack=1.0)
+    replicas = [
+        state("a", footprint_blocks=500),
+        state("b", footprint_blocks=40, booked_prefill_tokens=300),  # small but too busy
+        state("c", footprint_blocks=90, booked_prefill_tokens=40),  # within one prefill
+    ]
+    assert policy.rank(req, replicas)[0] == "c"
+    assert policy.explain().startswith("prefill_cost new prefix: c")
+    # one held block is no hit (a chat template's head): still placed as a new prefix
+    replicas[0] = state("a", cached_blocks=1, footprint_blocks=500)
+    assert policy.rank(req, replicas)[0] == "c"
+
+
+def test_prefill_cost_ties_follow_the_prompts_rendezvous_order() -> None:
+    policy = cost_policy()
+    for seed in range(20):
+        req = request(seed)
+        replicas = [state(r) for r in ("a", "b", "c", "d")]
+        assert policy.rank(req, replicas)[0] == rendezvous_order(req.affinity_key, "abcd")[0]
+
+
+def test_ray_prefix_model_follows_its_tree_and_waits_for_its_owner() -> None:
+    ray = RayPrefixSim()
+    first, follower = request(11, extra=3), request(11, extra=9)
+    placed = ray.rank(first, loads(0, 0, 0))  # no match: the smallest tenants (all empty)
+    assert placed == ["r0", "r1", "r2"]
+    ray.on_routed(first, "r1")
+    # the follower matches r1's tree: only r1, however loaded (Ray waits for it)
+    assert ray.rank(follower, loads(0, 30, 0)) == ["r1"]
+    # a new prompt goes to the replicas with the least text routed to them
+    assert ray.rank(request(12), loads(5, 0, 0)) == ["r2", "r0"]
+    gated = RayPrefixSim(imbalanced_threshold=10)
+    gated.on_routed(first, "r1")
+    assert gated.rank(follower, loads(0, 30, 0))[0] == "r0"  # imbalance: least loaded
+
+
+def test_sglang_model_spills_only_past_both_balance_limits() -> None:
+    sglang = SGLangCacheAware()
+    req = request(13)
+    sglang.on_routed(req, "r2")
+    assert sglang.rank(req, loads(10, 10, 12))[0] == "r2"  # over 1.1 x avg, not avg + 32
+    assert sglang.rank(req, loads(0, 0, 60))[0] == "r0"  # over both: least loaded
+    assert sglang.rank(request(14), loads(3, 1, 2))[0] == "r1"  # a miss: least loaded
+
+
+def test_dynamo_model_costs_prefill_blocks_after_overlap_plus_decode_blocks() -> None:
+    req = request(15, num_blocks=8, extra=0)  # 128 tokens = 8 blocks
+    replicas = [
+        state("a", cached_blocks=8, booked_decode_blocks=20),  # 0 + 20
+        state("b", booked_prefill_tokens=64),  # (64 + 128) / 16 = 12
+        state("c", predicted_blocks=6, booked_decode_blocks=5),  # 2 + 5
+    ]
+    assert DynamoKV().rank(req, replicas) == ["c", "b", "a"]

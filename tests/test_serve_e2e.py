@@ -46,7 +46,7 @@ def redis_server() -> Iterator[LocalRedis]:
 @pytest.fixture(scope="module")
 def cluster(redis_server: LocalRedis, request: pytest.FixtureRequest) -> Iterator[ServeCluster]:
     failed = request.session.testsfailed
-    c = ServeCluster(cluster_args(redis_server.url, "cache_aware")).start()
+    c = ServeCluster(cluster_args(redis_server.url, "prefill_cost")).start()
     yield c
     c.stop(keep_logs=keep_logs(request, failed))
 
@@ -205,19 +205,28 @@ def test_overload_is_shed_quickly_and_every_block_comes_back(cluster: ServeClust
 
 
 def assert_no_leaked_blocks(cluster: ServeCluster, timeout_s: float = 20.0) -> None:
-    """Once idle, every replica's blocks are free or cached: none left in use."""
+    """Once idle, every replica's blocks are free or cached, none left in use, and every
+    routing booking is released: the router's own and those in Redis."""
     deadline = time.monotonic() + timeout_s
+    index = BlockIndex(cluster.args.index, MODEL)
     while True:
-        replicas = cluster.stats()["replicas"]
-        idle = len(replicas) == 2 and all(
-            r["blocks_in_use"] == 0
-            and r["blocks_free"] + r["blocks_cached"] == r["blocks_total"]
-            and r["num_running"] == r["num_waiting"] == 0
-            for r in replicas.values()
+        stats = cluster.stats()
+        replicas = stats["replicas"]
+        views = index.query([]) or {}
+        idle = (
+            len(replicas) == 2
+            and all(
+                r["blocks_in_use"] == 0
+                and r["blocks_free"] + r["blocks_cached"] == r["blocks_total"]
+                and r["num_running"] == r["num_waiting"] == 0
+                for r in replicas.values()
+            )
+            and stats["bookings_in_flight"] == 0
+            and all(v.in_flight == v.booked_prefill_tokens == 0 for v in views.values())
         )
         if idle:
             return
-        assert time.monotonic() < deadline, replicas
+        assert time.monotonic() < deadline, (stats, views)
         time.sleep(0.5)
 
 
@@ -237,7 +246,7 @@ def test_health_models_and_metrics(cluster: ServeCluster, client: openai.OpenAI)
     ):
         assert name in text
     stats = cluster.stats()
-    assert stats["policy"] == "cache_aware"
+    assert stats["policy"] == "prefill_cost"
     assert sum(stats["routed"].values()) > 0
 
 

@@ -2,25 +2,26 @@
 
 from __future__ import annotations
 
-from cluster.experiments.simulator import CostModel, Simulation, calibrate
+from cluster.experiments.cost_model import CostModel, calibrate
+from cluster.experiments.simulate import PEERS, sim_policy
+from cluster.experiments.simulator import Simulation
 from cluster.experiments.workloads import WorkloadSpec, make_trace, oracle_hit_rate
 from replica.config import EngineConfig
 from replica.tokenizer import ByteTokenizer
-from router.policies import make_policy
 
 COST = CostModel(base_s=0.008, prefill_token_s=0.0004, decode_seq_s=0.001)
 ENGINE = EngineConfig(num_blocks=256)
 
 
 def simulate(policy: str, trace, replicas: int = 4) -> Simulation:
-    sim = Simulation(make_policy(policy), replicas, ENGINE, COST)
+    sim = Simulation(sim_policy(policy), replicas, ENGINE, COST)
     sim.results, sim.makespan = sim.run(trace)
     return sim
 
 
 def test_every_request_completes_and_the_books_balance() -> None:
     trace = make_trace(WorkloadSpec("multi_tenant", num_requests=150, rate=20, tenants=12))
-    for policy in ("round_robin", "prefix_affinity", "cache_aware"):
+    for policy in ("round_robin", "prefix_affinity", "cache_aware", "prefill_cost", *PEERS):
         sim = simulate(policy, trace)
         done = zip(sim.results, trace, strict=True)
         assert all(r.completion_tokens == t.max_tokens for r, t in done)
@@ -52,7 +53,7 @@ def test_prefix_routing_beats_round_robin_when_tenants_outgrow_one_cache() -> No
 
 def test_no_policy_invents_savings_on_random_prompts() -> None:
     trace = make_trace(WorkloadSpec("random", num_requests=60, rate=10))
-    for policy in ("round_robin", "prefix_affinity", "cache_aware"):
+    for policy in ("round_robin", "prefix_affinity", "cache_aware", "prefill_cost", *PEERS):
         assert simulate(policy, trace).engine_hit_rate() == 0.0
 
 

@@ -7,11 +7,20 @@ import json
 import sys
 from pathlib import Path
 
-from cluster.experiments import engine_bench, faults, index_bench, routing, simulate, speed
+from cluster.experiments import (
+    engine_bench,
+    faults,
+    index_bench,
+    routing,
+    scheduling,
+    simulate,
+    speed,
+)
 
 EXPERIMENTS = {
     "engine": (engine_bench, "prefix cache off vs on on one trace, one engine (and vLLM)"),
     "speed": (speed, "prefill and decode throughput next to transformers and vLLM"),
+    "scheduling": (scheduling, "chunked prefill and the admission reserve on one engine"),
     "index": (index_bench, "Redis index query latency, publish throughput, memory"),
     "routing": (routing, "routing policies compared on the real cluster: JSON, Markdown, PNG"),
     "simulate": (simulate, "the same policies and cache code on simulated replicas"),

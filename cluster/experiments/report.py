@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,32 @@ def summarize(
     }
 
 
+SPREAD = ("hit_rate_engine", "ttft_p50_s", "ttft_p99_s")
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Repeated runs of one policy as one: the median of every number, the pooled TTFT
+    samples, and the min-max ``spread`` of the headline metrics (a win must beat it)."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[0]
+    merged = dict(ok[0])
+    for key, value in ok[0].items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            values = [r[key] for r in ok if isinstance(r.get(key), int | float)]
+            merged[key] = statistics.median(values) if values else value
+    merged["ttft_samples"] = sorted(t for r in ok for t in r.get("ttft_samples", []))
+    merged["runs"] = len(ok)
+    merged["spread"] = {
+        key: [min(r[key] for r in ok), max(r[key] for r in ok)]
+        for key in SPREAD
+        if all(r.get(key) is not None for r in ok)
+    }
+    if len(ok) < len(runs):
+        merged["failed_runs"] = [r["error"] for r in runs if "error" in r]
+    return merged
+
+
 _COLUMNS = [
     ("policy", "policy"),
     ("ok/failed", None),
@@ -78,6 +105,9 @@ def markdown(payload: dict[str, Any]) -> str:
             for _, key in _COLUMNS:
                 if key is None:
                     cells.append(f"{m['requests_ok']}/{m['requests_failed']}")
+                elif key in m.get("spread", {}) and m.get("runs", 1) > 1:
+                    lo, hi = m["spread"][key]
+                    cells.append(f"{_fmt(m[key])} ({_fmt(lo)}-{_fmt(hi)})")
                 else:
                     cells.append(_fmt(policy if key == "policy" else m.get(key)))
             lines.append("| " + " | ".join(cells) + " |")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from cluster.config import ClusterArgs
 from cluster.experiments.launcher import ServeCluster
 from cluster.experiments.loadgen import drive, progress_printer
 from cluster.experiments.redis_server import LocalRedis
-from cluster.experiments.report import slug, summarize, write_report
+from cluster.experiments.report import combine, slug, summarize, write_report
 from cluster.experiments.workloads import (
     WORKLOADS,
     TraceRequest,
@@ -36,7 +37,7 @@ from replica.config import EngineConfig
 from replica.index import BlockIndex, IndexConfig
 from router.config import RoutingConfig
 
-POLICIES = ("round_robin", "prefix_affinity", "cache_aware", "ray_default", "ray_prefix")
+POLICIES = ("round_robin", "prefill_cost", "cache_aware", "ray_default", "ray_prefix")
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +65,11 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     parser.add_argument("--redis-url", help="use this Redis (default: start a local one)")
+    parser.add_argument("--ingress-replicas", type=int, default=1)
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs per policy, in ABBA order (spread reported)"
+    )
+    parser.add_argument("--knobs", help="RoutingConfig overrides, JSON")
 
 
 def traces(args: argparse.Namespace) -> dict[float, list[TraceRequest]]:
@@ -110,15 +116,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             save_trace(out / f"trace-{slug(section)}.jsonl", trace)
             oracle = oracle_hit_rate(trace, hasher, tokenizer)
             payload["oracle"][section] = oracle
-            payload["runs"][section] = {}
-            for policy in policies:
-                metrics = run_policy(args, policy, trace, url, engine, f"{section} {policy}")
-                if "error" not in metrics:
-                    metrics["oracle_hit_rate"] = oracle
-                payload["runs"][section][policy] = metrics
+            runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+            for rep in range(args.repeats):  # ABBA: drift over the session hits all alike
+                for policy in policies if rep % 2 == 0 else policies[::-1]:
+                    label = f"{section} {policy} ({rep + 1}/{args.repeats})"
+                    runs[policy].append(run_policy(args, policy, trace, url, engine, label))
+            payload["runs"][section] = {
+                p: combine(r) | {"oracle_hit_rate": oracle} for p, r in runs.items()
+            }
     payload["conditions"] = (
         f"{args.replicas} engine replicas x {args.num_blocks} blocks of {engine.block_size} "
-        f"tokens; {args.requests} requests; seed {args.seed}; measured {time.strftime('%F')}"
+        f"tokens; {args.ingress_replicas} ingress replica(s); {args.requests} requests; seed "
+        f"{args.seed}; {args.repeats} run(s) per policy (median, min-max); measured "
+        f"{time.strftime('%F')}"
     )
     payload["sweeps"] = [s for s in (_rate_sweep(payload),) if s is not None]
     return write_report(out, payload)
@@ -133,11 +143,13 @@ def run_policy(
     label: str,
 ) -> dict[str, Any]:
     namespace = f"exp-{os.getpid()}-{time.monotonic_ns()}"
+    knobs = json.loads(args.knobs) if args.knobs else {}
     cluster_args = ClusterArgs(
         num_replicas=int(args.replicas),
+        ingress_replicas=args.ingress_replicas,
         engine=engine,
         max_queued_requests=-1,  # an experiment measures queueing; it does not shed
-        routing=RoutingConfig(policy=policy, epsilon=args.epsilon),
+        routing=RoutingConfig(policy=policy, epsilon=args.epsilon, **knobs),
         index=IndexConfig(url=redis_url, cluster=namespace),
     )
     cluster = ServeCluster(cluster_args)
@@ -162,7 +174,7 @@ def run_policy(
 
         prompt, cached = delta("prompt_tokens"), delta("cached_prompt_tokens")
         metrics["hit_rate_engine"] = cached / prompt if prompt else 0.0
-        if policy not in ("ray_default", "ray_prefix"):
+        if policy != "ray_prefix":  # Ray's prefix router is not timed
             stats = cluster.stats()
             metrics["decision_p50_ms"] = (stats["decision_p50_s"] or 0) * 1e3
             metrics["decision_p99_ms"] = (stats["decision_p99_s"] or 0) * 1e3

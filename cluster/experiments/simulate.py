@@ -9,19 +9,34 @@ per replica. ``--calibrate`` measures the real engine first and stores the cost 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import Any
 
+from cluster.experiments.cost_model import DEFAULT_CALIBRATION, CostModel, calibrate
 from cluster.experiments.report import summarize, write_report
 from cluster.experiments.routing import add_workload_arguments, section_name, traces
-from cluster.experiments.simulator import DEFAULT_CALIBRATION, CostModel, Simulation, calibrate
+from cluster.experiments.simulator import Simulation
 from cluster.experiments.workloads import oracle_hit_rate
 from replica.checkpoints import checkpoint_for
 from replica.config import EngineConfig
-from router.policies import BoundedLoad, make_policy
+from router.config import RoutingConfig, make_policy
+from router.peer_policies import RayPrefixSim
+from router.policies import RoutingPolicy
 
-SIMULATED = ("round_robin", "prefix_affinity", "cache_aware")
+OURS = ("round_robin", "prefix_affinity", "cache_aware", "prefill_cost")
+PEERS = ("ray_prefix_sim", "ray_prefix_sim_t10", "sglang_cache_aware", "dynamo_kv")
+SIMULATED = OURS + PEERS
+
+
+def sim_policy(name: str, epsilon: float = 0.25, knobs: str | None = None) -> RoutingPolicy:
+    """A policy by name: ours and the peers' models (Ray's with its old imbalance threshold
+    of 10 as ``ray_prefix_sim_t10``); ``knobs`` (JSON) overrides ``RoutingConfig`` fields."""
+    if name == "ray_prefix_sim_t10":
+        return RayPrefixSim(imbalanced_threshold=10)
+    overrides = json.loads(knobs) if knobs else {}
+    return make_policy(RoutingConfig(policy=name, epsilon=epsilon, **overrides))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibrate", action="store_true", help="measure the engine first")
     parser.add_argument("--cost-model", type=Path, default=DEFAULT_CALIBRATION)
     parser.add_argument("--max-ongoing-requests", type=int, default=32)
+    parser.add_argument(
+        "--knobs", help='RoutingConfig overrides as JSON, e.g. {"decode_cost_tokens": 8}'
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -67,13 +85,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for policy in policies:
                 if policy not in SIMULATED:
                     payload["runs"][section][policy] = {
-                        "error": "not simulated: Ray's own routers are not plain-Python policies"
+                        "error": "not simulated: Ray's own routers run only on the real cluster"
                     }
                     continue
                 t0 = time.monotonic()
-                bound = BoundedLoad(args.epsilon)
                 sim = Simulation(
-                    make_policy(policy, bound), replicas, engine, cost, args.max_ongoing_requests
+                    sim_policy(policy, args.epsilon, args.knobs),
+                    replicas,
+                    engine,
+                    cost,
+                    args.max_ongoing_requests,
                 )
                 results, makespan = sim.run(trace)
                 metrics = summarize(results, makespan, sorted(sim.replicas))
@@ -97,12 +118,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _replica_sweeps(
     payload: dict[str, Any], counts: list[int], policies: list[str]
 ) -> list[dict[str, Any]]:
+    """One plot per metric against cluster size, a line per policy (and the oracle)."""
     if len(counts) < 2:
         return []
     sweeps = []
     for key, label, file in (
         ("hit_rate_engine", "prompt-token hit rate", "hit_rate_vs_replicas.png"),
         ("load_imbalance", "load imbalance (max/mean requests)", "imbalance_vs_replicas.png"),
+        ("ttft_p99_s", "TTFT p99 (s)", "ttft_p99_vs_replicas.png"),
+        ("ttft_p50_s", "TTFT p50 (s)", "ttft_p50_vs_replicas.png"),
     ):
         series: dict[str, list[tuple[float, float]]] = {}
         for section, runs in payload["runs"].items():
@@ -111,6 +135,8 @@ def _replica_sweeps(
                 m = runs.get(policy, {})
                 if "error" not in m and m.get(key) is not None:
                     series.setdefault(policy, []).append((replicas, m[key]))
+            if key == "hit_rate_engine":
+                series.setdefault("oracle", []).append((replicas, payload["oracle"][section]))
         sweeps.append(
             {
                 "series": series,

@@ -1,0 +1,121 @@
+"""The load a router books for its own decisions, kept in this process.
+
+Every routed request is booked on its replica (the prompt tokens it is predicted to
+compute, the KV blocks it will hold), marked prefill-done at its first token and released
+when it ends. The same bookings go to Redis (``BlockIndex.abook`` ...), where every ingress
+replica sees every router's; this local copy is what a router counts on while Redis is
+unreachable, and it adds the bookings Redis has not acknowledged yet to Redis' answer, so
+a burst never sees stale load. Nothing here does I/O; one event loop uses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Load:
+    """Booked load on one replica."""
+
+    prefill_tokens: int = 0
+    in_flight: int = 0
+    decode_blocks: int = 0
+
+    def __add__(self, other: Load) -> Load:
+        return Load(
+            self.prefill_tokens + other.prefill_tokens,
+            self.in_flight + other.in_flight,
+            self.decode_blocks + other.decode_blocks,
+        )
+
+    def __sub__(self, other: Load) -> Load:
+        return Load(
+            self.prefill_tokens - other.prefill_tokens,
+            self.in_flight - other.in_flight,
+            self.decode_blocks - other.decode_blocks,
+        )
+
+
+@dataclass(frozen=True)
+class LocalBooking:
+    replica_id: str
+    prefill_tokens: int
+    decode_blocks: int
+    acknowledged: bool = False  # Redis has it (then Redis' totals include it)
+
+
+class Bookings:
+    """Bookings by request, with the totals per replica kept up to date (a decision reads
+    them in O(replicas), however many requests are in flight)."""
+
+    def __init__(self) -> None:
+        self._by_request: dict[str, LocalBooking] = {}
+        self._totals: dict[str, Load] = {}
+        self._unacknowledged: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._by_request)
+
+    def book(
+        self, request_id: str, replica_id: str, prefill_tokens: int, decode_blocks: int
+    ) -> None:
+        """A request went to ``replica_id`` (booked again if it was resent elsewhere)."""
+        self._remove(request_id)
+        self._add(request_id, LocalBooking(replica_id, prefill_tokens, decode_blocks))
+
+    def acknowledge(self, request_id: str) -> None:
+        """Redis took the booking."""
+        booking = self._by_request.get(request_id)
+        if booking is not None:
+            self._by_request[request_id] = replace(booking, acknowledged=True)
+            self._unacknowledged.discard(request_id)
+
+    def prefill_done(self, request_id: str) -> LocalBooking | None:
+        """The request's first token came; returns its booking (None if unknown)."""
+        booking = self._remove(request_id)
+        if booking is not None:
+            self._add(request_id, replace(booking, prefill_tokens=0))
+        return booking
+
+    def release(self, request_id: str, replica_id: str | None = None) -> LocalBooking | None:
+        """The request is over (on ``replica_id``, if given); returns what was booked (None
+        if nothing was, or it was booked on another replica)."""
+        booking = self._by_request.get(request_id)
+        if booking is None or (replica_id is not None and booking.replica_id != replica_id):
+            return None
+        return self._remove(request_id)
+
+    def drop_replica(self, replica_id: str) -> list[str]:
+        """A replica is gone: forget its bookings; returns their request ids."""
+        gone = [rid for rid, b in self._by_request.items() if b.replica_id == replica_id]
+        for rid in gone:
+            self._remove(rid)
+        return gone
+
+    def totals(self, only_unacknowledged: bool = False) -> dict[str, Load]:
+        """Booked load per replica (all of it, or what Redis does not have yet)."""
+        if not only_unacknowledged:
+            return dict(self._totals)
+        totals: dict[str, Load] = {}
+        for rid in self._unacknowledged:
+            b = self._by_request[rid]
+            totals[b.replica_id] = totals.get(b.replica_id, Load()) + _load(b)
+        return totals
+
+    def _add(self, request_id: str, booking: LocalBooking) -> None:
+        self._by_request[request_id] = booking
+        total = self._totals.get(booking.replica_id, Load())
+        self._totals[booking.replica_id] = total + _load(booking)
+        if not booking.acknowledged:
+            self._unacknowledged.add(request_id)
+
+    def _remove(self, request_id: str) -> LocalBooking | None:
+        booking = self._by_request.pop(request_id, None)
+        if booking is not None:
+            self._totals[booking.replica_id] -= _load(booking)
+            self._unacknowledged.discard(request_id)
+        return booking
+
+
+def _load(booking: LocalBooking) -> Load:
+    return Load(booking.prefill_tokens, 1, booking.decode_blocks)

@@ -1,0 +1,104 @@
+"""``prefill_cost``, the default policy: one cost in prefill tokens, sticky per request.
+
+What the peers learned (``shared/notes/routing_peers.md``), in one rule set:
+
+* **Cost** (Dynamo's, in tokens): for each replica, the prompt tokens it would still have
+  to prefill for this request (after the cache credit: what it holds, published or booked
+  by a recent decision) plus the uncached prompt tokens already booked on it, plus
+  ``decode_cost_tokens`` per request it is running. Load is booked by the routers at each
+  decision (shared in Redis), so it is fresh, never a stats period late.
+* **Sticky per request** (llm-d's, not SGLang's fleet-wide gate): the replica holding the
+  most of the prompt keeps it unless its cost exceeds the cheapest replica's by more than
+  ``sticky_budget_tokens``. Then the request spills to the cheapest, which is booked as a
+  holder of the prefix, so a hot prompt is replicated onto a second, third... replica as
+  its demand grows, instead of queueing behind one (Ray's collapse on a hot tenant).
+* **New prefixes** (Ray's sharding, without SGLang's death spiral): when no replica holds a
+  useful part of the prompt, it goes to the replica owning the fewest cached blocks among
+  those within ``new_prefix_slack`` prefills of the cheapest, so tenants spread over
+  disjoint caches, but never onto a busy replica.
+* **Ties** break in rendezvous order of the prompt's affinity key: two ingress routers
+  make the same choice for the same new prefix, and different prefixes spread.
+
+The ranking lists every replica, the chosen one first and then by cost, so a full replica
+spills to the next instead of making the request wait.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.policies import ReplicaState, RoutingPolicy, RoutingRequest, rendezvous_order
+
+
+@dataclass(frozen=True)
+class CostKnobs:
+    """The policy's knobs (``RoutingConfig`` fields of the same names)."""
+
+    decode_cost_tokens: int = 16
+    sticky_budget_tokens: int = 512
+    new_prefix_slack: float = 1.0
+    min_hit_blocks: int = 2
+
+
+class PrefillCost(RoutingPolicy):
+    name = "prefill_cost"
+    uses_index = True
+
+    def __init__(self, knobs: CostKnobs = CostKnobs()) -> None:
+        self.knobs = knobs
+        self._last = ""
+
+    def costs(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, int]:
+        """Each replica's cost for this request, in prefill tokens."""
+        k = self.knobs
+        return {
+            r.replica_id: r.booked_prefill_tokens
+            + request.num_prompt_tokens
+            - self.credit(request, r)
+            + k.decode_cost_tokens * r.in_flight
+            for r in replicas
+        }
+
+    @staticmethod
+    def credit(request: RoutingRequest, replica: ReplicaState) -> int:
+        """Prompt tokens the replica will not have to compute (capped: one always runs)."""
+        return min(replica.held_blocks * request.block_size, request.usable_tokens)
+
+    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> list[str]:
+        if not replicas:
+            return []
+        costs = self.costs(request, replicas)
+        order = rendezvous_order(request.affinity_key, [r.replica_id for r in replicas])
+        position = {rid: i for i, rid in enumerate(order)}
+        by_cost = sorted(costs, key=lambda rid: (costs[rid], position[rid]))
+        cheapest = costs[by_cost[0]]
+        holder = max(replicas, key=lambda r: (r.held_blocks, -costs[r.replica_id]))
+        if holder.held_blocks >= self.knobs.min_hit_blocks:
+            sticky = costs[holder.replica_id] <= cheapest + self.knobs.sticky_budget_tokens
+            choice = holder.replica_id if sticky else by_cost[0]
+            reason = "sticky" if sticky else "spill"
+        else:
+            choice = self._new_prefix(request, replicas, costs, position)
+            reason = "new prefix"
+        self._last = f"{reason}: {choice} " + " ".join(
+            f"{rid}={costs[rid]}" for rid in sorted(costs)
+        )
+        return [choice] + [rid for rid in by_cost if rid != choice]
+
+    def _new_prefix(
+        self,
+        request: RoutingRequest,
+        replicas: Sequence[ReplicaState],
+        costs: dict[str, int],
+        position: dict[str, int],
+    ) -> str:
+        """The replica owning the fewest cached blocks among the near-cheapest ones."""
+        slack = self.knobs.new_prefix_slack * request.num_prompt_tokens
+        cheapest = min(costs.values())
+        near = [r for r in replicas if costs[r.replica_id] <= cheapest + slack]
+        best = min(near, key=lambda r: (r.footprint_blocks, position[r.replica_id]))
+        return best.replica_id
+
+    def explain(self) -> str:
+        return f"{self.name} {self._last}"
