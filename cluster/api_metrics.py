@@ -8,6 +8,11 @@ REQUESTS = Counter("prefix_serve_requests", "HTTP API requests by status", ["end
 PROMPT_TOKENS = Counter("prefix_serve_prompt_tokens", "Prompt tokens served")
 CACHED_TOKENS = Counter("prefix_serve_cached_prompt_tokens", "Prompt tokens served from cache")
 COMPLETION_TOKENS = Counter("prefix_serve_completion_tokens", "Generated tokens")
+RESUMES = Counter(
+    "prefix_serve_resumed_requests",
+    "Requests sent again after their replica died, before their first token or mid-stream",
+    ["when", "outcome"],
+)
 TTFT = Histogram(
     "prefix_serve_ttft_seconds",
     "Time from request to first token, at the ingress",

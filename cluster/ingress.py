@@ -6,31 +6,30 @@ Every error is an OpenAI error body with the right status; nothing reaches a rep
 the ingress can already tell is invalid.
 """
 
+import secrets
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle
 
 from cluster import api_metrics, auth
 from cluster.api_errors import (
     APIError,
-    engine_error,
     install_handlers,
     overloaded,
-    replica_failed,
 )
 from cluster.api_models import ChatCompletionRequest, CompletionRequest
 from cluster.config import ClusterArgs
-from cluster.responses import ReleasingStreamingResponse, Reply, cancel
+from cluster.engine_stream import EngineStream
+from cluster.responses import ReleasingStreamingResponse, Reply
 from replica.checkpoints import checkpoint_for
-from replica.messages import EngineChunk, EngineRequest
+from replica.messages import EngineRequest
 from replica.sampling_params import SamplingParams
 from replica.tokenizer import IncrementalDetokenizer
 from router import routing_stats
@@ -38,34 +37,8 @@ from router import routing_stats
 app = FastAPI(title="prefix-serve", description="OpenAI-compatible, prefix-aware serving")
 app.middleware("http")(auth.require_api_key)
 install_handlers(app)
-_DEAD_REPLICA_RETRIES = 2
 # Serve pickles ``Ingress`` by value when it is decorated: helpers are defined above it, and
 # shared state (metrics) is reached through its module, never bound as a global here.
-
-
-async def _start(
-    engine: DeploymentHandle, request: EngineRequest
-) -> tuple[DeploymentResponseGenerator, EngineChunk]:
-    """Send a request and wait for its first chunk, turning what can go wrong before it
-    (queue full, invalid for the engine, no replica) into an API error.
-
-    A replica that dies before the first token has cost the client nothing yet, so the
-    request is sent again (Serve has marked that replica dead by then); once tokens have
-    flowed, a death is reported to the client instead."""
-    for attempt in range(_DEAD_REPLICA_RETRIES + 1):
-        stream = engine.generate.remote(request)
-        try:
-            return stream, await stream.__anext__()
-        except ray.exceptions.RayActorError:
-            if attempt == _DEAD_REPLICA_RETRIES:
-                raise replica_failed() from None
-        except BaseException as exc:
-            error = engine_error(exc)
-            if error is None:  # cancelled (the client went away): cancel downstream too
-                cancel(stream)
-                raise
-            raise error from exc
-    raise AssertionError("unreachable")
 
 
 class Admission:
@@ -187,7 +160,8 @@ class Ingress:
         release: Callable[[], None] | None = self.admission.leave
         try:
             start = time.monotonic()
-            stream, first = await _start(self.engine, request)
+            stream = EngineStream(self.engine, request, self.hasher.chain, self.args.max_resumes)
+            first = await stream.first()
             routing_stats.STATE.prefill_done(request.request_id)
             api_metrics.TTFT.observe(time.monotonic() - start)
             detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
@@ -206,10 +180,8 @@ class Ingress:
                 return response
             try:
                 await reply.collect(stream)
-            except ray.exceptions.RayError as exc:
-                raise replica_failed("The engine replica failed mid-request") from exc
             finally:
-                cancel(stream)
+                stream.cancel()
             return JSONResponse(reply.body(), headers=headers)
         finally:
             if release is not None:
@@ -249,7 +221,8 @@ class Ingress:
             max_tokens=max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
-            seed=body.seed,
+            # a seed of its own, so a stream resumed on another replica samples the same
+            seed=body.seed if body.seed is not None else secrets.randbits(63),
             ignore_eos=body.ignore_eos,
         )
         return EngineRequest(

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import ray
 from fastapi.responses import StreamingResponse
-from ray.serve.handle import DeploymentResponseGenerator
 
 from cluster import api_metrics
+from cluster.api_errors import APIError
 from cluster.api_models import ChatCompletionRequest, CompletionRequest
+from cluster.engine_stream import EngineStream
 from cluster.textstream import TextStream
 from replica.messages import EngineChunk
 from replica.tokenizer import IncrementalDetokenizer
@@ -42,14 +41,12 @@ class Reply:
         self.finish_reason: str | None = None
         self._first = first
 
-    async def _engine_chunks(
-        self, stream: DeploymentResponseGenerator
-    ) -> AsyncIterator[EngineChunk]:
+    async def _engine_chunks(self, stream: EngineStream) -> AsyncIterator[EngineChunk]:
         yield self._first
-        async for chunk in stream:
+        async for chunk in stream.rest():
             yield chunk
 
-    async def _chunks(self, stream: DeploymentResponseGenerator) -> AsyncIterator[str]:
+    async def _chunks(self, stream: EngineStream) -> AsyncIterator[str]:
         """Text pieces until the engine finishes or a stop string appears."""
         async for chunk in self._engine_chunks(stream):
             self.completion_tokens += len(chunk.token_ids)
@@ -65,11 +62,11 @@ class Reply:
                 self._account()
                 return
 
-    async def collect(self, stream: DeploymentResponseGenerator) -> None:
+    async def collect(self, stream: EngineStream) -> None:
         async for _ in self._chunks(stream):
             pass
 
-    async def sse(self, stream: DeploymentResponseGenerator) -> AsyncIterator[str]:
+    async def sse(self, stream: EngineStream) -> AsyncIterator[str]:
         try:
             if self.kind == "chat":
                 yield _sse(self._chunk_body({"role": "assistant", "content": ""}, None))
@@ -80,12 +77,12 @@ class Reply:
             if options is not None and options.include_usage:
                 yield _sse({**self._envelope(), "choices": [], "usage": self.usage()})
             yield "data: [DONE]\n\n"
-        except ray.exceptions.RayError:
-            error = {"message": "the engine replica failed mid-stream", "type": "server_error"}
+        except APIError as exc:  # no replica could take the stream over
+            error = {"message": exc.message, "type": exc.type, "code": exc.code}
             yield _sse({"error": error})
             yield "data: [DONE]\n\n"
         finally:  # a stop string or a gone client ends the stream early
-            cancel(stream)
+            stream.cancel()
 
     def usage(self) -> dict[str, Any]:
         return {
@@ -152,9 +149,3 @@ class ReleasingStreamingResponse(StreamingResponse):
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-def cancel(stream: DeploymentResponseGenerator) -> None:
-    """Best effort: a stream whose routing failed re-raises that failure on cancel."""
-    with contextlib.suppress(Exception):
-        stream.cancel()

@@ -10,6 +10,7 @@ heartbeats there, and deregisters on shutdown.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import os
 import time
@@ -70,6 +71,8 @@ class EngineReplica:
         self._failure: BaseException | None = None
         self._audits = 0
         self._audit_error: str | None = None
+        self._left = False
+        atexit.register(self._leave_index)
         self.publisher.start()
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
@@ -87,6 +90,8 @@ class EngineReplica:
             request.prompt_token_ids,
             request.params,
             request.cache_salt,
+            None,
+            request.output_token_ids,
         )
         queue: asyncio.Queue[EngineChunk | BaseException] = asyncio.Queue()
         self._streams[rid] = queue
@@ -131,10 +136,20 @@ class EngineReplica:
             raise EngineFailedError("the engine loop failed") from self._failure
 
     async def __del__(self) -> None:
+        """Serve's graceful stop (Ctrl-C, scale-down, redeploy), after the replica's
+        running requests finished or its graceful-shutdown timeout passed."""
         if self._loop_task is not None:
             self._loop_task.cancel()
-        self.publisher.close(deregister=True)
+        self._leave_index()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _leave_index(self) -> None:
+        """Deregister (once). Also at interpreter exit: a SIGTERM to ``serve run`` (what
+        systemd, Kubernetes and ``docker stop`` send) makes Ray SIGTERM its workers, whose
+        handler exits the interpreter without ``__del__``; ``atexit`` still runs."""
+        if not self._left:
+            self._left = True
+            self.publisher.close(deregister=True)
 
     def _start_loop(self) -> None:
         if self._loop_task is None:

@@ -106,20 +106,27 @@ class Engine:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        output_token_ids: abc.Sequence[int] = (),
     ) -> None:
-        """Queue a request. Raises ``InvalidRequestError`` if it can never be served."""
+        """Queue a request. Raises ``InvalidRequestError`` if it can never be served.
+
+        ``output_token_ids`` resumes a request that produced them elsewhere (its replica
+        died): they are computed like the prompt (and hit the prefix cache where they can),
+        but count as output, so generation, ``max_tokens`` and the sampler's positions go
+        on exactly where they stopped."""
         params = params or SamplingParams()
-        tokens = list(prompt_token_ids)
+        tokens, outputs = list(prompt_token_ids), list(output_token_ids)
         if request_id in self._seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        check_request(self.config, tokens, params)
+        check_request(self.config, tokens, params, outputs)
         seq = Sequence(
             request_id,
-            tokens,
+            tokens + outputs,
             params,
             cache_salt,
             self.clock() if arrival_time is None else arrival_time,
         )
+        seq.num_prompt_tokens = len(tokens)
         seq.num_cached_at_arrival = self.block_manager.cached_prefix_tokens(seq)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -131,7 +138,6 @@ class Engine:
         if seq is None:
             return False
         self.scheduler.remove(seq)
-        self.sampler.forget(request_id)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         self.metrics.num_aborted += 1
         self._queued_prefill_tokens = self._count_queued_prefill_tokens()
@@ -237,7 +243,6 @@ class Engine:
         if seq.finish_reason is not None:
             seq.status = SequenceStatus.FINISHED
             self.scheduler.remove(seq)
-            self.sampler.forget(seq.request_id)
             del self._seqs[seq.request_id]
             m.num_finished += 1
         return RequestOutput(

@@ -48,6 +48,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from replica import index_scripts as scripts
+from replica.index_records import Booking, ReplicaView
 
 
 class IndexConfig(BaseModel):
@@ -70,29 +71,6 @@ class IndexConfig(BaseModel):
     max_pending_hashes: int = Field(
         65_536, gt=0, description="unsent changes kept before falling back to a resync"
     )
-
-
-@dataclass(frozen=True)
-class ReplicaView:
-    """What the index says about one live replica, for one prompt's chain."""
-
-    held_blocks: int  # leading blocks of the chain it has published
-    predicted_blocks: int  # leading blocks routers recently sent there (not expired)
-    footprint_blocks: int  # distinct blocks it has published in all
-    booked_prefill_tokens: int  # uncached prompt tokens booked on it, not yet computed
-    in_flight: int  # requests booked on it and not released
-    booked_decode_blocks: int  # KV blocks its booked requests hold or will
-
-
-@dataclass(frozen=True)
-class Booking:
-    """One routed request, as a router books it on its replica."""
-
-    replica_id: str
-    request_id: str
-    prefill_tokens: int  # the prompt tokens the replica is predicted to compute
-    decode_blocks: int  # the KV blocks the request will hold (prompt and output)
-    block_hashes: Sequence[bytes]  # its prompt's chain: predicted to be held there soon
 
 
 class StaleEpochError(RuntimeError):

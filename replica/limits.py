@@ -8,14 +8,23 @@ from replica.messages import InvalidRequestError
 from replica.sampling_params import SamplingParams
 
 
-def check_request(config: EngineConfig, tokens: list[int], params: SamplingParams) -> None:
+def check_request(
+    config: EngineConfig,
+    tokens: list[int],
+    params: SamplingParams,
+    outputs: list[int] | None = None,
+) -> None:
     """Raise ``InvalidRequestError`` for an empty prompt, a token id outside the vocabulary,
-    a prompt plus ``max_tokens`` over the context, or more KV blocks than the engine has."""
+    a prompt plus ``max_tokens`` over the context, more KV blocks than the engine has, or
+    (resuming) as many tokens already produced as ``max_tokens`` allows."""
     if not tokens:
         raise InvalidRequestError("the prompt is empty")
+    outputs = outputs or []
     vocab = config.shape.vocab_size
-    if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
+    if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens + outputs):
         raise InvalidRequestError(f"token ids must be integers in [0, {vocab})")
+    if len(outputs) >= params.max_tokens:
+        raise InvalidRequestError("nothing left to resume: max_tokens are already produced")
     if len(tokens) + params.max_tokens > config.context_len:
         raise InvalidRequestError(
             f"prompt ({len(tokens)} tokens) plus max_tokens ({params.max_tokens}) exceeds "

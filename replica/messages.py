@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from replica.sampling_params import SamplingParams
 
@@ -14,7 +14,9 @@ class InvalidRequestError(ValueError):
 @dataclass(frozen=True)
 class EngineRequest:
     """One tokenized request. The ingress hashes the prompt once; the request router reads
-    ``block_hashes`` and ``affinity_key`` (and Ray's own prefix router reads ``prompt``)."""
+    ``block_hashes`` and ``affinity_key`` (and Ray's own prefix router reads ``prompt``). A
+    request resumed after its replica died carries the tokens it already delivered in
+    ``output_token_ids`` (then ``block_hashes`` cover prompt and those tokens)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -23,6 +25,7 @@ class EngineRequest:
     affinity_key: bytes
     cache_salt: str | None = None
     prompt: str = ""
+    output_token_ids: list[int] = field(default_factory=list)  # resuming: already delivered
 
 
 @dataclass(frozen=True)

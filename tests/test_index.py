@@ -13,8 +13,9 @@ import redis
 from cluster.experiments.redis_server import LocalRedis
 from replica.engine import Engine, EngineConfig, SamplingParams
 from replica.hashing import BlockHasher
-from replica.index import BlockIndex, Booking, IndexConfig, ReplicaView, StaleEpochError
+from replica.index import BlockIndex, IndexConfig, StaleEpochError
 from replica.index_publisher import IndexPublisher
+from replica.index_records import Booking, ReplicaView
 
 MODEL = "tiny-llama-6m"
 H = [bytes([i]) * 16 for i in range(8)]  # a stand-in chain of 8 block hashes

@@ -18,7 +18,7 @@ from cluster.experiments.cost_model import DEFAULT_CALIBRATION, CostModel, calib
 from cluster.experiments.report import summarize, write_report
 from cluster.experiments.routing import add_workload_arguments, section_name, traces
 from cluster.experiments.simulator import Simulation
-from cluster.experiments.workloads import oracle_hit_rate
+from cluster.experiments.workloads import TraceRequest, oracle_hit_rate
 from replica.checkpoints import checkpoint_for
 from replica.config import EngineConfig
 from router.config import RoutingConfig, make_policy
@@ -71,39 +71,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     started = time.monotonic()
     for replicas in counts:
-        scaled = args
-        if args.per_replica:
-            rates = ",".join(str(float(r) * replicas) for r in args.rates.split(","))
-            scaled = argparse.Namespace(
-                **vars(args) | {"requests": args.requests * replicas, "rates": rates}
-            )
-        for rate, trace in traces(scaled).items():
+        for rate, trace in traces(_scaled(args, replicas)).items():
             section = f"{replicas} replicas, {section_name(rate)}"
             oracle = oracle_hit_rate(trace, engine.block_hasher(), tokenizer)
             payload["oracle"][section] = oracle
-            payload["runs"][section] = {}
-            for policy in policies:
-                if policy not in SIMULATED:
-                    payload["runs"][section][policy] = {
-                        "error": "not simulated: Ray's own routers run only on the real cluster"
-                    }
-                    continue
-                t0 = time.monotonic()
-                sim = Simulation(
-                    sim_policy(policy, args.epsilon, args.knobs),
-                    replicas,
-                    engine,
-                    cost,
-                    args.max_ongoing_requests,
-                )
-                results, makespan = sim.run(trace)
-                metrics = summarize(results, makespan, sorted(sim.replicas))
-                metrics |= {
-                    "hit_rate_engine": sim.engine_hit_rate(),
-                    "oracle_hit_rate": oracle,
-                    "wall_s": time.monotonic() - t0,
-                }
-                payload["runs"][section][policy] = metrics
+            payload["runs"][section] = {
+                policy: _simulate(args, policy, replicas, engine, cost, trace)
+                | {"oracle_hit_rate": oracle}
+                for policy in policies
+            }
     payload["wall_s"] = time.monotonic() - started
     payload["conditions"] = (
         f"cost model: {cost.base_s * 1e3:.2f} ms/step + "
@@ -113,6 +89,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     payload["sweeps"] = _replica_sweeps(payload, counts, policies)
     return write_report(out, payload)
+
+
+def _scaled(args: argparse.Namespace, replicas: int) -> argparse.Namespace:
+    """With ``--per-replica``, requests, rates and conversations grow with the cluster."""
+    if not args.per_replica:
+        return args
+    rates = ",".join(str(float(r) * replicas) for r in args.rates.split(","))
+    return argparse.Namespace(
+        **vars(args)
+        | {
+            "requests": args.requests * replicas,
+            "rates": rates,
+            "conversations": args.conversations * replicas,
+        }
+    )
+
+
+def _simulate(
+    args: argparse.Namespace,
+    policy: str,
+    replicas: int,
+    engine: EngineConfig,
+    cost: CostModel,
+    trace: list[TraceRequest],
+) -> dict[str, Any]:
+    if policy not in SIMULATED:
+        return {"error": "not simulated: Ray's own routers run only on the real cluster"}
+    t0 = time.monotonic()
+    sim = Simulation(
+        sim_policy(policy, args.epsilon, args.knobs),
+        replicas,
+        engine,
+        cost,
+        args.max_ongoing_requests,
+    )
+    results, makespan = sim.run(trace)
+    metrics = summarize(results, makespan, sorted(sim.replicas))
+    return metrics | {"hit_rate_engine": sim.engine_hit_rate(), "wall_s": time.monotonic() - t0}
 
 
 def _replica_sweeps(

@@ -1,0 +1,102 @@
+"""One request's stream of engine chunks, which survives the death of its replica.
+
+The ingress holds everything a continuation needs: the prompt's token ids, the tokens the
+client has already received, and the sampling parameters with a seed (the ingress assigns
+one when the client gives none). When the replica dies (its actor is gone, or its stream
+breaks) the request is sent again: before its first token exactly as it was; after, as a
+continuation (prompt + delivered tokens, hashed again so the router finds a replica that
+caches them). The engine counts the delivered tokens as output and its sampler is keyed by
+position, so the client sees one uninterrupted stream, token for token what it would have
+been, with no token twice and ``usage`` counting each once. At most ``max_resumes`` sends
+after the first; a request whose client went away is never resumed (its cancellation ends
+the stream here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+
+import ray
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from cluster import api_metrics
+from cluster.api_errors import engine_error, replica_failed
+from replica.messages import EngineChunk, EngineRequest
+
+
+class EngineStream:
+    def __init__(
+        self,
+        engine: DeploymentHandle,
+        request: EngineRequest,
+        rehash: Callable[[list[int], str | None], list[bytes]],
+        max_resumes: int,
+    ) -> None:
+        self.request = request
+        self.resumes = 0
+        self._engine = engine
+        self._rehash = rehash  # a block chain under a salt: BlockHasher.chain
+        self._max_resumes = max_resumes
+        self._delivered: list[int] = []
+        self._stream: DeploymentResponseGenerator | None = None
+
+    async def first(self) -> EngineChunk:
+        """Send the request and wait for its first chunk, turning what can go wrong before it
+        (invalid for the engine, no replica left) into an API error."""
+        while True:
+            self._stream = self._engine.generate.remote(self.request)
+            try:
+                chunk = await self._stream.__anext__()
+            except ray.exceptions.RayActorError:
+                self._resume_or_fail("before_first_token")
+                continue
+            except BaseException as exc:
+                error = engine_error(exc)
+                if error is None:  # cancelled (the client went away): cancel downstream too
+                    self.cancel()
+                    raise
+                raise error from exc
+            self._delivered += chunk.token_ids
+            return chunk
+
+    async def rest(self) -> AsyncIterator[EngineChunk]:
+        """The chunks after the first, across resumes, until the one marked finished."""
+        while True:
+            assert self._stream is not None
+            try:
+                async for chunk in self._stream:
+                    self._delivered += chunk.token_ids
+                    yield chunk
+                    if chunk.finished:
+                        return
+                return
+            except ray.exceptions.RayError:
+                self._resume_or_fail("mid_stream")
+                self._stream = self._engine.generate.remote(self._continuation())
+
+    def cancel(self) -> None:
+        """Best effort: a stream whose routing failed re-raises that failure on cancel."""
+        if self._stream is not None:
+            with contextlib.suppress(Exception):
+                self._stream.cancel()
+
+    def _resume_or_fail(self, when: str) -> None:
+        self.cancel()
+        if self.resumes >= self._max_resumes:
+            api_metrics.RESUMES.labels(when, "given_up").inc()
+            raise replica_failed() from None
+        self.resumes += 1
+        api_metrics.RESUMES.labels(when, "resumed").inc()
+
+    def _continuation(self) -> EngineRequest:
+        """The request again, carrying what the client already has."""
+        delivered = list(self._delivered)
+        return replace(
+            self.request,
+            output_token_ids=delivered,
+            block_hashes=self._rehash(
+                self.request.prompt_token_ids + delivered, self.request.cache_salt
+            ),
+        )
