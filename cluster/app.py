@@ -43,13 +43,21 @@ def request_router_config(args: ClusterArgs) -> RequestRouterConfig:
 def build_app(args: dict[str, Any]) -> Application:
     """Ingress plus ``num_replicas`` engine replicas behind the configured router."""
     cluster = ClusterArgs.model_validate(args)
+    scaling: dict[str, Any] = (
+        {"autoscaling_config": cluster.autoscaling.model_dump()}
+        if cluster.autoscaling
+        else {"num_replicas": cluster.num_replicas}
+    )
+    if cluster.max_replicas_per_node is not None:  # else Serve's default: spread, softly
+        scaling["max_replicas_per_node"] = cluster.max_replicas_per_node
     engine = EngineReplica.options(
-        num_replicas=cluster.num_replicas,
+        **scaling,
         max_ongoing_requests=cluster.max_ongoing_requests,
         # The ingress's Admission is the one queue cap: Serve's own would count requests
         # still being assigned to a free slot as queued and shed a burst too early.
         max_queued_requests=-1,
         ray_actor_options={"num_cpus": cluster.replica_num_cpus},
+        graceful_shutdown_timeout_s=cluster.drain_timeout_s,
         request_router_config=request_router_config(cluster),
     ).bind(cluster.replica_args().model_dump())
     return Ingress.options(

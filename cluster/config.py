@@ -6,13 +6,35 @@ replica, ``RoutingConfig`` by the router. This model adds what only the applicat
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from replica.checkpoints import SMOLLM2
 from replica.config import EngineConfig
 from replica.deployment import ReplicaArgs
 from replica.index import IndexConfig
 from router.config import RoutingConfig
+
+
+class Autoscaling(BaseModel):
+    """Ray Serve's ``autoscaling_config`` for the engine deployment (its field names and
+    meanings): replicas between ``min_replicas`` and ``max_replicas``, aiming at
+    ``target_ongoing_requests`` per replica."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(3, ge=1)
+    target_ongoing_requests: float = Field(4.0, gt=0)
+    upscale_delay_s: float = Field(5.0, ge=0)
+    downscale_delay_s: float = Field(30.0, ge=0)
+    metrics_interval_s: float = Field(2.0, gt=0)
+    look_back_period_s: float = Field(10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Autoscaling:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError("max_replicas must be at least min_replicas")
+        return self
 
 
 class ClusterArgs(BaseModel):
@@ -24,8 +46,17 @@ class ClusterArgs(BaseModel):
         default_factory=lambda: EngineConfig(model=SMOLLM2, num_threads=1),
         description="the engine of every replica; the real chat model by default",
     )
-    num_replicas: int = Field(2, gt=0)
+    num_replicas: int = Field(2, gt=0, description="engine replicas (without autoscaling)")
+    autoscaling: Autoscaling | None = Field(None, description="set: replicas follow the load")
     replica_num_cpus: float = Field(0.5, gt=0)
+    max_replicas_per_node: int | None = Field(
+        None,
+        gt=0,
+        description="a hard cap per node (Serve spreads replicas over nodes anyway, softly)",
+    )
+    drain_timeout_s: float = Field(
+        60.0, gt=0, description="a stopping replica finishes its requests for this long"
+    )
     ingress_num_cpus: float = Field(0.1, gt=0)
     ingress_replicas: int = Field(
         1, gt=0, description="ingress replicas; their routers share bookings through Redis"
@@ -43,6 +74,11 @@ class ClusterArgs(BaseModel):
     api_keys: list[str] = Field(
         default_factory=list, description="if any, required as 'Bearer <key>' (not /health)"
     )
+
+    @property
+    def max_engine_replicas(self) -> int:
+        """Engine replicas there can be at most (the admission cap counts their slots)."""
+        return self.autoscaling.max_replicas if self.autoscaling else self.num_replicas
 
     def replica_args(self) -> ReplicaArgs:
         """What an engine replica needs: its engine and the index it publishes to."""

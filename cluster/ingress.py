@@ -49,7 +49,7 @@ class Admission:
 
     def __init__(self, args: ClusterArgs) -> None:
         queued = args.max_queued_requests
-        slots = args.num_replicas * args.max_ongoing_requests
+        slots = args.max_engine_replicas * args.max_ongoing_requests
         share = -(-(slots + queued) // args.ingress_replicas)
         self.limit = None if queued < 0 else share
         self.in_flight = 0

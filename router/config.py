@@ -43,8 +43,8 @@ class RoutingConfig(BaseModel):
     new_prefix_slack: float = Field(
         1.0, ge=0, description="prefill_cost: new prefixes spread within this many prefills"
     )
-    min_hit_blocks: int = Field(
-        2, ge=1, description="prefill_cost: fewer held blocks than this is a new prefix"
+    min_hit_fraction: float = Field(
+        0.5, ge=0, le=1, description="prefill_cost: held by no one past this share: new prefix"
     )
     predict_ttl_s: float = Field(
         5.0, gt=0, description="how long a routed prompt counts as held before it is published"
@@ -70,7 +70,7 @@ def make_policy(config: RoutingConfig) -> RoutingPolicy:
         config.decode_cost_tokens,
         config.sticky_budget_tokens,
         config.new_prefix_slack,
-        config.min_hit_blocks,
+        config.min_hit_fraction,
     )
     makers = {
         "prefill_cost": lambda: PrefillCost(knobs),

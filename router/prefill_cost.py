@@ -12,8 +12,9 @@ What the peers learned (``shared/notes/routing_peers.md``), in one rule set:
   ``sticky_budget_tokens``. Then the request spills to the cheapest, which is booked as a
   holder of the prefix, so a hot prompt is replicated onto a second, third... replica as
   its demand grows, instead of queueing behind one (Ray's collapse on a hot tenant).
-* **New prefixes** (Ray's sharding, without SGLang's death spiral): when no replica holds a
-  useful part of the prompt, it goes to the replica owning the fewest cached blocks among
+* **New prefixes** (Ray's sharding, without SGLang's death spiral): when no replica holds
+  at least ``min_hit_fraction`` of the prompt (a new tenant shares only a chat template's
+  head with the others), it goes to the replica owning the fewest cached blocks among
   those within ``new_prefix_slack`` prefills of the cheapest, so tenants spread over
   disjoint caches, but never onto a busy replica.
 * **Ties** break in rendezvous order of the prompt's affinity key: two ingress routers
@@ -38,7 +39,7 @@ class CostKnobs:
     decode_cost_tokens: int = 16
     sticky_budget_tokens: int = 512
     new_prefix_slack: float = 1.0
-    min_hit_blocks: int = 2
+    min_hit_fraction: float = 0.5
 
 
 class PrefillCost(RoutingPolicy):
@@ -74,7 +75,9 @@ class PrefillCost(RoutingPolicy):
         by_cost = sorted(costs, key=lambda rid: (costs[rid], position[rid]))
         cheapest = costs[by_cost[0]]
         holder = max(replicas, key=lambda r: (r.held_blocks, -costs[r.replica_id]))
-        if holder.held_blocks >= self.knobs.min_hit_blocks:
+        if self.credit(request, holder) >= max(
+            request.block_size, self.knobs.min_hit_fraction * request.usable_tokens
+        ):
             sticky = costs[holder.replica_id] <= cheapest + self.knobs.sticky_budget_tokens
             choice = holder.replica_id if sticky else by_cost[0]
             reason = "sticky" if sticky else "spill"

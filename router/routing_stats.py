@@ -85,10 +85,14 @@ class RouterState:
         return self._reasons.get(request_id)
 
     def prefill_done(self, request_id: str) -> None:
-        """The ingress saw a request's first token: the router releases its prefill load."""
+        """The ingress saw a request's first token: the router releases its prefill load.
+
+        Serve runs the router on an event loop of its own thread: the call is handed to
+        that loop (its bookings and its Redis client belong to it), never made here."""
         router = self._router() if self._router is not None else None
-        if router is not None and hasattr(router, "prefill_done"):
-            router.prefill_done(request_id)
+        loop = getattr(router, "_event_loop", None)
+        if router is not None and loop is not None and hasattr(router, "prefill_done"):
+            loop.call_soon_threadsafe(router.prefill_done, request_id)
 
     def record_routed(self, replica_id: str) -> None:
         self.routed[replica_id] = self.routed.get(replica_id, 0) + 1

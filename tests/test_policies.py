@@ -187,9 +187,11 @@ def test_a_new_prefix_goes_to_the_smallest_footprint_among_the_near_cheapest() -
     ]
     assert policy.rank(req, replicas)[0] == "c"
     assert policy.explain().startswith("prefill_cost new prefix: c")
-    # one held block is no hit (a chat template's head): still placed as a new prefix
+    # a short held head (a chat template's) is no hit: still placed as a new prefix
     replicas[0] = state("a", cached_blocks=1, footprint_blocks=500)
     assert policy.rank(req, replicas)[0] == "c"
+    replicas[0] = state("a", cached_blocks=2, footprint_blocks=500)  # 32 of 64 usable: a hit
+    assert policy.rank(req, replicas)[0] == "a"
 
 
 def test_prefill_cost_ties_follow_the_prompts_rendezvous_order() -> None:

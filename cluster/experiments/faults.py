@@ -1,9 +1,12 @@
 """``faults``: the real cluster under faults, overload and a soak, with a JSON + Markdown report.
 
-Scenarios (``--scenarios``, all by default), each on a fresh cluster (``cache_aware``):
+Scenarios (``--scenarios``, all by default), each on a fresh cluster (the default policy):
 
 * ``redis_kill``: Redis is killed under streaming load and restarted empty.
-* ``replica_kill``: one engine replica's process is killed (SIGKILL) under load.
+* ``replica_kill``: one engine replica's process is killed (SIGKILL) under load; the
+  streams on it resume on the other replica.
+* ``repeated_kills``: a replica is killed every ``--kill-every-s`` seconds, ``--kills`` times.
+* ``scale_down``: the engine deployment goes from 3 replicas to 2 under load.
 * ``redis_slow``: Redis stalls (``DEBUG SLEEP``) again and again under load.
 * ``overload``: open-loop load far above capacity.
 * ``soak``: mixed workloads for ``--soak-s`` seconds.
@@ -31,12 +34,21 @@ from cluster.experiments.scenario import (
     fault_trace,
     index_answers,
     probe,
+    resume_counts,
     wait_for,
 )
 from cluster.experiments.workloads import TraceRequest
 from replica.stats import percentile
 
-SCENARIOS = ("redis_kill", "replica_kill", "redis_slow", "overload", "soak")
+SCENARIOS = (
+    "redis_kill",
+    "replica_kill",
+    "repeated_kills",
+    "scale_down",
+    "redis_slow",
+    "overload",
+    "soak",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration-s", type=float, default=25.0, help="load per fault scenario")
     parser.add_argument("--soak-s", type=float, default=120.0)
     parser.add_argument("--soak-rate", type=float, default=1.5, help="below capacity, per s")
+    parser.add_argument("--kills", type=int, default=6, help="repeated_kills: how many")
+    parser.add_argument("--kill-every-s", type=float, default=10.0)
 
 
 def redis_kill(args: argparse.Namespace) -> dict[str, Any]:
@@ -82,7 +96,7 @@ def replica_kill(args: argparse.Namespace) -> dict[str, Any]:
         trace = fault_trace(args.rate, args.duration_s)
         s.load(trace)
         time.sleep(args.duration_s * 0.3)
-        before = s.stats()
+        before, resumes = s.stats(), resume_counts(s.cluster.base_url)
         victim, victim_stats = sorted(before.items())[0]
         os.kill(victim_stats["pid"], signal.SIGKILL)
         killed = time.monotonic()
@@ -94,9 +108,14 @@ def replica_kill(args: argparse.Namespace) -> dict[str, Any]:
         s.wait_load()
         served_by = {r.replica for r in probe(s.cluster.base_url, s.args.engine.model_id, 12)}
         new_ids = set(s.index.live_replicas()) - set(before)
+        # a resumed stream's longest gap between two tokens is what the failure cost it
+        stalls = [max(r.itl_s) for r in s.results if r.replica == victim and r.itl_s]
         return s.report(
             trace,
             killed_replica=victim,
+            **_resumes_since(s, resumes),
+            resume_stall_p50_s=percentile(stalls, 50),
+            resume_stall_p99_s=percentile(stalls, 99),
             left_index_answers_s=purged,
             blocks_purged_s=reaped,
             replacement_registered_s=replaced,
@@ -104,6 +123,43 @@ def replica_kill(args: argparse.Namespace) -> dict[str, Any]:
             replacement_gets_traffic=bool(new_ids & served_by),
             whole_after_s=time.monotonic() - killed if replaced is not None else None,
         )
+
+
+def repeated_kills(args: argparse.Namespace) -> dict[str, Any]:
+    """A replica killed every ``--kill-every-s`` under load, ``--kills`` times."""
+    with Scenario() as s:
+        trace = fault_trace(args.rate, args.kill_every_s * (args.kills + 1))
+        s.load(trace)
+        resumes, victims = resume_counts(s.cluster.base_url), []
+        for i in range(args.kills):
+            time.sleep(args.kill_every_s)
+            live = sorted(s.stats().items())
+            if not live:
+                continue
+            victim, stats = live[i % len(live)]
+            os.kill(stats["pid"], signal.SIGKILL)
+            victims.append(victim)
+        s.wait_load(600)
+        return s.report(trace, kills=len(victims), **_resumes_since(s, resumes))
+
+
+def scale_down(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine deployment goes from 3 replicas to 2 (``serve deploy``) under load."""
+    with Scenario(num_replicas=3) as s:
+        trace = fault_trace(args.rate, args.duration_s)
+        s.load(trace)
+        time.sleep(args.duration_s * 0.3)
+        resumes = resume_counts(s.cluster.base_url)
+        s.args = s.args.model_copy(update={"num_replicas": 2})
+        s.cluster.redeploy(s.args)
+        left = wait_for(lambda: len(s.index.live_replicas()) == 2, 120)
+        s.wait_load()
+        return s.report(trace, scaled="3 -> 2", drained_s=left, **_resumes_since(s, resumes))
+
+
+def _resumes_since(s: Scenario, before: dict[str, float]) -> dict[str, float]:
+    after = resume_counts(s.cluster.base_url)
+    return {f"{k}_requests": after[k] - before[k] for k in after}
 
 
 def redis_slow(args: argparse.Namespace) -> dict[str, Any]:
@@ -174,7 +230,10 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out = args.out or Path("results/faults")
-    runners = {f.__name__: f for f in (redis_kill, replica_kill, redis_slow, overload, soak)}
+    runners = {
+        f.__name__: f
+        for f in (redis_kill, replica_kill, repeated_kills, scale_down, redis_slow, overload, soak)
+    }
     report: dict[str, Any] = {}
     for name in args.scenarios.split(","):
         t0 = time.monotonic()

@@ -121,6 +121,31 @@ class ServeCluster:
             self._proc.wait()
         return False
 
+    def redeploy(self, args: ClusterArgs, timeout_s: float = 120.0) -> None:
+        """Apply a new config to the running cluster as an operator would (``serve deploy``
+        through the dashboard): Serve adds or drains replicas to match."""
+        config = self._dir / "redeploy.yaml"
+        config.write_text(yaml.safe_dump(serve_config(args, self.port)))
+        serve = Path(sys.executable).with_name("serve")
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+        address = ["--address", self.dashboard_url()]
+        subprocess.run(
+            [str(serve), "deploy", str(config), *address],
+            cwd=REPO,
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=timeout_s,
+        )
+        self.args = args
+
+    def dashboard_url(self) -> str:
+        """The Ray dashboard this ``serve run`` started (read from its log)."""
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if "dashboard at" in line.lower() and "http" in line:
+                return "http" + line.split("http", 1)[1].split()[0].rstrip(".")
+        return "http://127.0.0.1:8265"
+
     def stats(self) -> dict[str, Any]:
         """The ingress's ``/cluster/stats`` (with the first API key, if keys are set)."""
         keys = self.args.api_keys
@@ -137,9 +162,9 @@ class ServeCluster:
                 healthy = httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200
             except httpx.HTTPError:
                 healthy = False
-            if healthy and (
-                not index.ping() or len(index.live_replicas()) >= self.args.num_replicas
-            ):
+            scaling = self.args.autoscaling
+            wanted = scaling.min_replicas if scaling else self.args.num_replicas
+            if healthy and (not index.ping() or len(index.live_replicas()) >= wanted):
                 index.close()
                 return
             time.sleep(0.5)

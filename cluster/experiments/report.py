@@ -207,9 +207,15 @@ def _recovery(name: str, r: dict[str, Any]) -> str:
         return f"index rebuilt {_s(r.get('index_rebuilt_s'))} after restart"
     if name == "replica_kill":
         return (
-            f"out of index answers {_s(r.get('left_index_answers_s'))}, replacement "
-            f"registered {_s(r.get('replacement_registered_s'))}"
+            f"{r.get('resumed_requests', 0):.0f} resumed (stall p50 "
+            f"{_s(r.get('resume_stall_p50_s'))}, p99 {_s(r.get('resume_stall_p99_s'))}); out of "
+            f"index answers {_s(r.get('left_index_answers_s'))}, replacement registered "
+            f"{_s(r.get('replacement_registered_s'))}"
         )
+    if name == "repeated_kills":
+        return f"{r.get('kills')} kills, {r.get('resumed_requests', 0):.0f} resumed"
+    if name == "scale_down":
+        return f"3 -> 2 replicas, drained in {_s(r.get('drained_s'))}"
     if name == "redis_slow":
         return f"route p99 {r.get('route_p99_ms', 0):.1f} ms"
     if name == "overload":

@@ -24,9 +24,11 @@ from replica.stats import percentile
 class Scenario:
     """One fresh cluster with its own Redis, and the load thread driving it."""
 
-    def __init__(self, max_queued_requests: int = -1) -> None:
+    def __init__(self, max_queued_requests: int = -1, num_replicas: int = 2) -> None:
         self.redis = LocalRedis().start()
         self.args = ClusterArgs(
+            num_replicas=num_replicas,
+            replica_num_cpus=min(0.5, 1.5 / num_replicas),
             engine=EngineConfig(num_threads=1, num_blocks=640),
             max_queued_requests=max_queued_requests,
             index=IndexConfig(url=self.redis.url, cluster="faults"),
@@ -144,3 +146,14 @@ def probe(base_url: str, model: str, n: int) -> list[RequestResult]:
     ]
     results, _ = drive(base_url, model, trace, 60)
     return results
+
+
+def resume_counts(base_url: str) -> dict[str, float]:
+    """The ingress's resume counters: ``resumed`` and ``given_up`` (after max_resumes)."""
+    counts = {"resumed": 0.0, "given_up": 0.0}
+    for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("prefix_serve_resumed_requests_total{"):
+            for outcome in counts:
+                if f'outcome="{outcome}"' in line:
+                    counts[outcome] += float(line.split()[-1])
+    return counts

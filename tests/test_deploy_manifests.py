@@ -1,0 +1,102 @@
+"""The deployment files, checked offline: they parse, the Kubernetes RayService serves the
+same application as deploy/config.yaml, and every configuration field is spelled out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import BaseModel
+
+from cluster.config import ClusterArgs
+
+REPO = Path(__file__).resolve().parent.parent
+KUBE = REPO / "deploy" / "kubernetes"
+# What a cluster of machines changes on purpose (README "Kubernetes" says why)
+CLUSTER_CHANGES = {
+    "num_replicas",
+    "replica_num_cpus",
+    "ingress_replicas",
+    "ingress_num_cpus",
+    "engine.num_threads",
+    "index.url",
+    "index.cluster",
+    "index.timeout_s",
+    "index.connect_timeout_s",
+}
+
+
+def documents(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def flatten(args: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in args.items():
+        if isinstance(value, dict) and key != "autoscaling":
+            out |= flatten(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def field_paths(model: type[BaseModel], prefix: str = "") -> set[str]:
+    """Every field a config model reads, nested models spelled out (autoscaling whole)."""
+    paths = set()
+    for name, info in model.model_fields.items():
+        kind = info.annotation
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            paths |= field_paths(kind, f"{prefix}{name}.")
+        else:
+            paths.add(f"{prefix}{name}")
+    return paths
+
+
+def local_app() -> dict[str, Any]:
+    return yaml.safe_load((REPO / "deploy" / "config.yaml").read_text())["applications"][0]
+
+
+def kube_serve_config() -> dict[str, Any]:
+    (service,) = [d for d in documents(KUBE / "rayservice.yaml") if d["kind"] == "RayService"]
+    return yaml.safe_load(service["spec"]["serveConfigV2"])
+
+
+@pytest.mark.parametrize("app", [local_app(), kube_serve_config()["applications"][0]])
+def test_every_field_cluster_args_reads_is_spelled_out(app: dict[str, Any]) -> None:
+    args = app["args"]
+    ClusterArgs.model_validate(args)  # valid, and nothing extra (extra="forbid")
+    assert set(flatten(args)) == field_paths(ClusterArgs)
+
+
+def test_the_rayservice_serves_the_same_application() -> None:
+    local, kube = local_app(), kube_serve_config()["applications"][0]
+    for key in ("name", "route_prefix", "import_path"):
+        assert kube[key] == local[key]
+    ours, theirs = flatten(local["args"]), flatten(kube["args"])
+    differing = {k for k in ours if ours[k] != theirs[k]}
+    assert differing <= CLUSTER_CHANGES, differing - CLUSTER_CHANGES
+    assert kube_serve_config()["proxy_location"] == "EveryNode"
+
+
+def test_the_rayservice_has_head_and_workers_with_resources_and_finds_redis() -> None:
+    (service,) = [d for d in documents(KUBE / "rayservice.yaml") if d["kind"] == "RayService"]
+    assert service["apiVersion"] == "ray.io/v1"
+    cluster = service["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    assert len(groups) >= 2
+    for group in groups:
+        for container in group["template"]["spec"]["containers"]:
+            requests = container["resources"]["requests"]
+            assert requests["cpu"] and requests["memory"] and container["image"]
+    workers = cluster["workerGroupSpecs"][0]
+    assert workers["minReplicas"] <= workers["replicas"] <= workers["maxReplicas"]
+    redis_docs = documents(KUBE / "redis.yaml")
+    (deployment,) = [d for d in redis_docs if d["kind"] == "Deployment"]
+    (svc,) = [d for d in redis_docs if d["kind"] == "Service"]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"] == labels == svc["spec"]["selector"]
+    port = svc["spec"]["ports"][0]["port"]
+    url = kube_serve_config()["applications"][0]["args"]["index"]["url"]
+    assert url == f"redis://{svc['metadata']['name']}:{port}/0"
