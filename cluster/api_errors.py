@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+from typing import Any
+
 import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,18 +44,41 @@ async def _api_error_response(_: Request, exc: APIError) -> JSONResponse:
     return exc.response()
 
 
+# pydantic's names for the branches of a union ("str", "list[constrained-int]"): not fields
+_BRANCH = re.compile(r"[\[\-]|^(str|int|float|bool|list|dict)$")
+
+
+def _most_specific(errors: Sequence[Any]) -> dict[str, Any]:
+    """Of a union's per-branch errors, the first that is not merely "wrong type" (a list
+    too long says more than "not a string")."""
+    specific = [e for e in errors if not str(e.get("type", "")).endswith(("_type", "_required"))]
+    return (specific or list(errors) or [{}])[0]
+
+
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+    first = _most_specific(exc.errors())
+    loc = [
+        str(p)
+        for p in first.get("loc", ())
+        if p != "body" and not (isinstance(p, str) and _BRANCH.search(p))
+    ]
+    message = str(first.get("msg", "invalid request"))
+    if first.get("type") == "value_error" and not loc:
+        # a rule across fields, whose message starts with the field it names
+        message = message.removeprefix("Value error, ")
+        return APIError(
+            400, message, code="invalid_value", param=message.partition(":")[0]
+        ).response()
+    message = f"{'.'.join(loc) or 'body'}: {message}"
     code = "json_invalid" if first.get("type") == "json_invalid" else "invalid_value"
     return APIError(400, message, code=code, param=".".join(loc) or None).response()
 
 
 async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own errors (404 for an unknown path, 405 with its ``Allow`` header for a
+    wrong method) in OpenAI form, their headers kept."""
     type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return APIError(exc.status_code, str(exc.detail), type_).response()
+    return APIError(exc.status_code, str(exc.detail), type_, headers=exc.headers).response()
 
 
 async def _internal_error(_: Request, exc: Exception) -> JSONResponse:

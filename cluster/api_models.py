@@ -1,14 +1,37 @@
-"""The OpenAI-compatible request bodies (strict: a wrong type is a 400, not a coercion).
+"""The OpenAI-compatible request bodies (strict: a wrong type is a 400, not a coercion; a
+JSON number with no fraction, like ``5.0``, is an integer as JSON Schema says).
 
 Unknown fields are ignored, as clients send optional OpenAI fields we do not model; fields
-we model but do not support (``n`` > 1, ``logprobs``, ``echo``, penalties) are refused.
+we model but do not support (``best_of`` other than ``n``, ``suffix``) are refused. Every
+constraint a schema can state is stated here, so the OpenAPI document is the contract;
+the model-dependent bounds (token ids, ``max_tokens``) are added by ``cluster.openapi``.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from annotated_types import Ge, Le
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from replica.sampling_params import MAX_LOGPROBS, MAX_N
+
+MAX_STOPS = 4
+MAX_STOP_CHARS = 256
+
+
+def _integral(value: Any) -> Any:
+    """``5.0`` is the integer 5 in JSON; ``5.5`` (and ``"5"``, ``true``) stay wrong."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# bounds go before INTEGRAL in ``Annotated`` (after it, pydantic drops them from the schema)
+INTEGRAL = BeforeValidator(_integral)
+TokenId = Annotated[int, Ge(0), INTEGRAL]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class StreamOptions(BaseModel):
@@ -42,28 +65,39 @@ class _CommonRequest(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    model: str
-    max_tokens: int | None = None
+    model: str = Field(description="the served model's id (GET /v1/models)")
+    max_tokens: Annotated[int, Ge(1), INTEGRAL] | None = Field(
+        None, description="tokens to generate"
+    )
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=1, description="only n = 1 is supported")
+    n: Annotated[int, Ge(1), Le(MAX_N), INTEGRAL] = Field(
+        1, description="choices; they share one prefill"
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = Field(None, description="up to 4 stop strings")
-    seed: int | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = Field(
+        None, description="a stop string or up to 4 of them"
+    )
+    seed: Annotated[int, INTEGRAL] | None = Field(
+        None, description="choice i samples with seed + i"
+    )
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]*)$")], Bias] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100]"
+    )
+    user: str | None = Field(None, description="accepted, unused")
+    # vLLM's extensions
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    min_tokens: Annotated[int, Ge(0), INTEGRAL] = Field(
+        0, description="no end of text before this many tokens (at most max_tokens)"
+    )
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
     ignore_eos: bool = False
     cache_salt: str | None = Field(
         None, min_length=1, max_length=256, description="isolates a tenant's cached blocks"
     )
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported")
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported")
-
-    @model_validator(mode="after")
-    def _check_stop(self) -> _CommonRequest:
-        stops = self.stop_list
-        if len(stops) > 4 or any(not s or len(s) > 256 for s in stops):
-            raise ValueError("stop: at most 4 non-empty strings of at most 256 characters")
-        return self
 
     @property
     def stop_list(self) -> list[str]:
@@ -73,29 +107,40 @@ class _CommonRequest(BaseModel):
 
 
 class CompletionRequest(_CommonRequest):
-    prompt: str | list[int] | list[str] = Field(
-        description="text, token ids, or a list holding one text"
+    prompt: (
+        str
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[str], Field(min_length=1, max_length=1)]
+    ) = Field(description="text, token ids, or a list holding one text")
+    echo: bool = Field(False, description="the prompt before the completion (and its logprobs)")
+    logprobs: Annotated[int, Ge(0), Le(MAX_LOGPROBS), INTEGRAL] | None = Field(
+        None, description="alternatives"
     )
-    echo: bool = Field(False, description="not supported")
-    logprobs: int | None = Field(None, le=0, description="not supported")
+    # the document offers null only: any other value but n (or "") is refused
+    best_of: Annotated[int, INTEGRAL] | None = Field(
+        None, description="refused unless equal to n", json_schema_extra={"type": "null"}
+    )
+    suffix: str | None = Field(None, description="refused", json_schema_extra={"type": "null"})
+    # the one place max_tokens may be 0: with echo and logprobs, that scores the prompt
+    max_tokens: Annotated[int, Ge(0), INTEGRAL] | None = Field(
+        None, description="tokens to generate (0 with echo scores the prompt)"
+    )
 
     @model_validator(mode="after")
-    def _single_prompt(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str) and len(p) != 1:
-            raise ValueError("prompt: only one prompt per request is supported")
+    def _check_unsupported(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: not supported (only equal to n)")
+        if self.suffix:
+            raise ValueError("suffix: not supported")
         return self
 
 
 class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = Field(False, description="not supported")
-
-    @model_validator(mode="after")
-    def _no_logprobs(self) -> ChatCompletionRequest:
-        if self.logprobs:
-            raise ValueError("logprobs are not supported")
-        return self
+    max_completion_tokens: Annotated[int, Ge(1), INTEGRAL] | None = Field(
+        None, description="overrides max_tokens"
+    )
+    logprobs: bool = Field(False, description="log-probabilities of the answer's tokens")
+    top_logprobs: Annotated[int, Ge(0), Le(MAX_LOGPROBS), INTEGRAL] | None = Field(
+        None, description="alternatives (ignored without logprobs)"
+    )

@@ -56,11 +56,17 @@ def build_app(args: dict[str, Any]) -> Application:
         # The ingress's Admission is the one queue cap: Serve's own would count requests
         # still being assigned to a free slot as queued and shed a burst too early.
         max_queued_requests=-1,
-        ray_actor_options={"num_cpus": cluster.replica_num_cpus},
+        ray_actor_options={
+            "num_cpus": cluster.replica_num_cpus,
+            "resources": cluster.replica_resources,
+        },
         graceful_shutdown_timeout_s=cluster.drain_timeout_s,
         request_router_config=request_router_config(cluster),
     ).bind(cluster.replica_args().model_dump())
     return Ingress.options(
         num_replicas=cluster.ingress_replicas,
-        ray_actor_options={"num_cpus": cluster.ingress_num_cpus},
+        ray_actor_options={
+            "num_cpus": cluster.ingress_num_cpus,
+            "resources": cluster.ingress_resources,
+        },
     ).bind(engine, cluster.model_dump())

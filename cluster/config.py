@@ -49,6 +49,9 @@ class ClusterArgs(BaseModel):
     num_replicas: int = Field(2, gt=0, description="engine replicas (without autoscaling)")
     autoscaling: Autoscaling | None = Field(None, description="set: replicas follow the load")
     replica_num_cpus: float = Field(0.5, gt=0)
+    replica_resources: dict[str, float] = Field(
+        default_factory=dict, description="Ray custom resources per engine replica"
+    )
     max_replicas_per_node: int | None = Field(
         None,
         gt=0,
@@ -57,7 +60,11 @@ class ClusterArgs(BaseModel):
     drain_timeout_s: float = Field(
         60.0, gt=0, description="a stopping replica finishes its requests for this long"
     )
-    ingress_num_cpus: float = Field(0.1, gt=0)
+    ingress_num_cpus: float = Field(0.1, ge=0)
+    ingress_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray custom resources per ingress replica (e.g. pin it to the head node)",
+    )
     ingress_replicas: int = Field(
         1, gt=0, description="ingress replicas; their routers share bookings through Redis"
     )
@@ -73,6 +80,9 @@ class ClusterArgs(BaseModel):
     index: IndexConfig = IndexConfig()
     api_keys: list[str] = Field(
         default_factory=list, description="if any, required as 'Bearer <key>' (not /health)"
+    )
+    share_cache_across_keys: bool = Field(
+        False, description="with api_keys: let different keys share cached prefixes"
     )
 
     @property

@@ -9,7 +9,8 @@ caches them). The engine counts the delivered tokens as output and its sampler i
 position, so the client sees one uninterrupted stream, token for token what it would have
 been, with no token twice and ``usage`` counting each once. At most ``max_resumes`` sends
 after the first; a request whose client went away is never resumed (its cancellation ends
-the stream here).
+the stream here). A request with ``n`` > 1 choices is resent before its first token, but
+not resumed mid-stream (its choices would each need a continuation): it fails cleanly.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class EngineStream:
                     self.cancel()
                     raise
                 raise error from exc
-            self._delivered += chunk.token_ids
+            self._delivered += chunk.token_ids if chunk.index == 0 else []
             return chunk
 
     async def rest(self) -> AsyncIterator[EngineChunk]:
@@ -67,12 +68,12 @@ class EngineStream:
             assert self._stream is not None
             try:
                 async for chunk in self._stream:
-                    self._delivered += chunk.token_ids
+                    self._delivered += chunk.token_ids if chunk.index == 0 else []
                     yield chunk
-                    if chunk.finished:
-                        return
                 return
             except ray.exceptions.RayError:
+                if self.request.params.n > 1:  # several choices in flight: not resumable
+                    self._resume_or_fail("mid_stream", give_up=True)
                 self._resume_or_fail("mid_stream")
                 self._stream = self._engine.generate.remote(self._continuation())
 
@@ -82,9 +83,9 @@ class EngineStream:
             with contextlib.suppress(Exception):
                 self._stream.cancel()
 
-    def _resume_or_fail(self, when: str) -> None:
+    def _resume_or_fail(self, when: str, give_up: bool = False) -> None:
         self.cancel()
-        if self.resumes >= self._max_resumes:
+        if give_up or self.resumes >= self._max_resumes:
             api_metrics.RESUMES.labels(when, "given_up").inc()
             raise replica_failed() from None
         self.resumes += 1

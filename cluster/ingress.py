@@ -6,14 +6,12 @@ Every error is an OpenAI error body with the right status; nothing reaches a rep
 the ingress can already tell is invalid.
 """
 
-import secrets
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -27,11 +25,11 @@ from cluster.api_errors import (
 from cluster.api_models import ChatCompletionRequest, CompletionRequest
 from cluster.config import ClusterArgs
 from cluster.engine_stream import EngineStream
+from cluster.openapi import install_openapi
+from cluster.request_builder import RequestBuilder
 from cluster.responses import ReleasingStreamingResponse, Reply
 from replica.checkpoints import checkpoint_for
 from replica.messages import EngineRequest
-from replica.sampling_params import SamplingParams
-from replica.tokenizer import IncrementalDetokenizer
 from router import routing_stats
 
 app = FastAPI(title="prefix-serve", description="OpenAI-compatible, prefix-aware serving")
@@ -74,7 +72,11 @@ class Ingress:
         self.model_id = self.args.engine.model_id
         self.started = int(time.time())
         self.admission = Admission(self.args)
+        self.requests = RequestBuilder(self.args, self.hasher)
         auth.configure(self.args.api_keys)
+        install_openapi(
+            app, self.model_id, self.args.engine.shape.vocab_size, self.args.max_tokens_limit
+        )
 
     @app.get("/health")
     async def health(self) -> dict[str, str]:
@@ -91,7 +93,7 @@ class Ingress:
         }
         return {"object": "list", "data": [card]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(self) -> Response:
         routing_stats.STATE.replica_stats()  # refresh the per-replica gauges
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
@@ -144,7 +146,7 @@ class Ingress:
         max_tokens: int,
     ) -> JSONResponse | StreamingResponse:
         try:
-            engine_request = self._engine_request(body, request, ids, text, max_tokens)
+            engine_request = self.requests.build(body, request, ids, text, max_tokens)
             response = await self._respond(body, kind, engine_request)
         except APIError as exc:
             api_metrics.REQUESTS.labels(kind, str(exc.status)).inc()
@@ -164,10 +166,8 @@ class Ingress:
             first = await stream.first()
             routing_stats.STATE.prefill_done(request.request_id)
             api_metrics.TTFT.observe(time.monotonic() - start)
-            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
-            reply = Reply(
-                kind, self.model_id, body, detokenizer, len(request.prompt_token_ids), first
-            )
+            ids = request.prompt_token_ids
+            reply = Reply(kind, self.model_id, body, self.tokenizer, ids, first)
             headers = {"x-replica-id": first.replica_id}
             reason = routing_stats.STATE.reason(request.request_id)
             if reason is not None:  # why the router sent it there (policy, costs)
@@ -186,51 +186,3 @@ class Ingress:
         finally:
             if release is not None:
                 release()
-
-    def _engine_request(
-        self,
-        body: CompletionRequest | ChatCompletionRequest,
-        request: Request,
-        ids: list[int],
-        text: str,
-        max_tokens: int,
-    ) -> EngineRequest:
-        if body.model != self.model_id:
-            raise APIError(
-                404,
-                f"The model '{body.model}' does not exist; this server serves '{self.model_id}'",
-                code="model_not_found",
-                param="model",
-            )
-        limit = self.args.max_tokens_limit
-        if not 1 <= max_tokens <= limit:
-            raise APIError(400, f"max_tokens must be in [1, {limit}]", param="max_tokens")
-        engine = self.args.engine
-        if len(ids) + max_tokens > engine.context_len:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {engine.context_len} tokens; "
-                f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}",
-                code="context_length_exceeded",
-                param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-            )
-        salt = body.cache_salt or request.headers.get("x-cache-salt") or None
-        chain = self.hasher.chain(ids, salt)
-        k = self.args.routing.affinity_blocks
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            # a seed of its own, so a stream resumed on another replica samples the same
-            seed=body.seed if body.seed is not None else secrets.randbits(63),
-            ignore_eos=body.ignore_eos,
-        )
-        return EngineRequest(
-            request_id=uuid.uuid4().hex,
-            prompt_token_ids=ids,
-            params=params,
-            block_hashes=chain,
-            affinity_key=self.hasher.affinity_key(ids, k, salt, chain),
-            cache_salt=salt,
-            prompt=text,
-        )

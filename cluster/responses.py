@@ -13,66 +13,81 @@ from fastapi.responses import StreamingResponse
 from cluster import api_metrics
 from cluster.api_errors import APIError
 from cluster.api_models import ChatCompletionRequest, CompletionRequest
+from cluster.choice import Choice, TokenLogprobs
 from cluster.engine_stream import EngineStream
-from cluster.textstream import TextStream
+from cluster.logprob_format import chat_logprobs, completion_logprobs
 from replica.messages import EngineChunk
-from replica.tokenizer import IncrementalDetokenizer
+from replica.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class Reply:
-    """Builds the OpenAI response (whole or as server-sent events) from engine chunks."""
+    """Builds the OpenAI response (whole or as server-sent events) from engine chunks: one
+    ``Choice`` per choice, the prompt counted once in ``usage``."""
 
     def __init__(
         self,
         kind: str,
         model: str,
         body: CompletionRequest | ChatCompletionRequest,
-        detokenizer: IncrementalDetokenizer,
-        num_prompt_tokens: int,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int],
         first: EngineChunk,
     ) -> None:
         self.kind, self.model, self.request = kind, model, body
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.text = TextStream(detokenizer, body.stop_list)
-        self.num_prompt_tokens = num_prompt_tokens
+        self.token_text = tokenizer.token_text
+        self.prompt_ids = prompt_ids
         self.num_cached = first.num_cached_tokens
-        self.completion_tokens = 0
-        self.finish_reason: str | None = None
+        echo = isinstance(body, CompletionRequest) and body.echo
+        self.echo_text = tokenizer.decode(prompt_ids) if echo else ""
+        self.choices = [
+            Choice(
+                i,
+                IncrementalDetokenizer(tokenizer, prompt_ids),
+                body.stop_list,
+                body.stop_token_ids or (),
+                score_only=isinstance(body, CompletionRequest) and body.max_tokens == 0,
+            )
+            for i in range(body.n)
+        ]
+        self.prompt_logprobs: TokenLogprobs = []
         self._first = first
+
+    async def _events(self, stream: EngineStream) -> AsyncIterator[tuple[Choice, str, Any]]:
+        """(choice, new text, new tokens' logprobs) until every choice has finished."""
+        chunks = self._engine_chunks(stream)
+        async for chunk in chunks:
+            if chunk.prompt_logprobs is not None:
+                self.prompt_logprobs = list(
+                    zip(self.prompt_ids, chunk.prompt_logprobs, strict=True)
+                )
+            choice = self.choices[chunk.index]
+            piece, logprobs = choice.push(chunk)
+            if piece or logprobs or choice.finished:
+                yield choice, piece, logprobs
+            if all(c.finished for c in self.choices):
+                self._account()
+                return
 
     async def _engine_chunks(self, stream: EngineStream) -> AsyncIterator[EngineChunk]:
         yield self._first
         async for chunk in stream.rest():
             yield chunk
 
-    async def _chunks(self, stream: EngineStream) -> AsyncIterator[str]:
-        """Text pieces until the engine finishes or a stop string appears."""
-        async for chunk in self._engine_chunks(stream):
-            self.completion_tokens += len(chunk.token_ids)
-            piece = self.text.push(chunk.token_ids)
-            if self.text.stopped:
-                self.finish_reason = "stop"
-            elif chunk.finished:
-                piece += self.text.flush()
-                self.finish_reason = "stop" if self.text.stopped else chunk.finish_reason
-            if piece:
-                yield piece
-            if self.finish_reason is not None:
-                self._account()
-                return
-
     async def collect(self, stream: EngineStream) -> None:
-        async for _ in self._chunks(stream):
+        async for _ in self._events(stream):
             pass
 
     async def sse(self, stream: EngineStream) -> AsyncIterator[str]:
         try:
-            if self.kind == "chat":
-                yield _sse(self._chunk_body({"role": "assistant", "content": ""}, None))
-            async for piece in self._chunks(stream):
-                yield _sse(self._chunk_body(piece, None))
-            yield _sse(self._chunk_body("" if self.kind != "chat" else {}, self.finish_reason))
+            for choice in self.choices:  # the role (chat), or the echoed prompt
+                if self.kind == "chat":
+                    yield _sse(self._chunk(choice, {"role": "assistant", "content": ""}, None))
+                elif self.echo_text or self.prompt_logprobs:
+                    yield _sse(self._chunk(choice, self.echo_text, self.prompt_logprobs))
+            async for choice, piece, logprobs in self._events(stream):
+                yield _sse(self._chunk(choice, piece, logprobs, choice.finish_reason))
             options = self.request.stream_options
             if options is not None and options.include_usage:
                 yield _sse({**self._envelope(), "choices": [], "usage": self.usage()})
@@ -85,29 +100,43 @@ class Reply:
             stream.cancel()
 
     def usage(self) -> dict[str, Any]:
+        completion = sum(c.tokens for c in self.choices)
+        prompt = len(self.prompt_ids)
         return {
-            "prompt_tokens": self.num_prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.num_prompt_tokens + self.completion_tokens,
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": self.num_cached},
         }
 
     def body(self) -> dict[str, Any]:
+        choices = []
+        for c in self.choices:
+            logprobs = self._logprobs(self.prompt_logprobs + c.logprobs, c)
+            if self.kind == "chat":
+                content = {"message": {"role": "assistant", "content": c.text.text}}
+            else:
+                content = {"text": self.echo_text + c.text.text}
+            choices.append(
+                {
+                    "index": c.index,
+                    **content,
+                    "finish_reason": c.finish_reason,
+                    "logprobs": logprobs,
+                }
+            )
+        return {**self._envelope(final=True), "choices": choices, "usage": self.usage()}
+
+    def _logprobs(self, entries: TokenLogprobs, choice: Choice) -> dict[str, Any] | None:
+        if not self._wants_logprobs():
+            return None
         if self.kind == "chat":
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": self.text.text},
-                "finish_reason": self.finish_reason,
-                "logprobs": None,
-            }
-        else:
-            choice = {
-                "index": 0,
-                "text": self.text.text,
-                "finish_reason": self.finish_reason,
-                "logprobs": None,
-            }
-        return {**self._envelope(final=True), "choices": [choice], "usage": self.usage()}
+            return chat_logprobs([e for _, e in entries if e is not None], self.token_text)
+        return completion_logprobs(entries, self.token_text)
+
+    def _wants_logprobs(self) -> bool:
+        body = self.request
+        return bool(body.logprobs) if self.kind == "chat" else body.logprobs is not None
 
     def _envelope(self, final: bool = False) -> dict[str, Any]:
         if self.kind == "chat":
@@ -116,18 +145,26 @@ class Reply:
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _chunk_body(self, piece: str | dict[str, str], finish: str | None) -> dict[str, Any]:
+    def _chunk(
+        self,
+        choice: Choice,
+        piece: str | dict[str, str],
+        logprobs: TokenLogprobs | None,
+        finish: str | None = None,
+    ) -> dict[str, Any]:
+        formatted = self._logprobs(logprobs, choice) if logprobs else None
         if self.kind == "chat":
             delta = piece if isinstance(piece, dict) else {"content": piece}
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            body = {"delta": delta}
         else:
-            choice = {"index": 0, "text": piece, "finish_reason": finish, "logprobs": None}
-        return {**self._envelope(), "choices": [choice]}
+            body = {"text": piece}
+        entry = {"index": choice.index, **body, "finish_reason": finish, "logprobs": formatted}
+        return {**self._envelope(), "choices": [entry]}
 
     def _account(self) -> None:
-        api_metrics.PROMPT_TOKENS.inc(self.num_prompt_tokens)
+        api_metrics.PROMPT_TOKENS.inc(len(self.prompt_ids))
         api_metrics.CACHED_TOKENS.inc(self.num_cached)
-        api_metrics.COMPLETION_TOKENS.inc(self.completion_tokens)
+        api_metrics.COMPLETION_TOKENS.inc(sum(c.tokens for c in self.choices))
 
 
 class ReleasingStreamingResponse(StreamingResponse):

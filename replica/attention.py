@@ -52,6 +52,16 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy the keys and values of block ``src`` into ``dst``, in every layer (the
+        copy-on-write of a forked sequence's partial block)."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long)
+        for cache in (*self.k, *self.v):
+            cache[dst] = cache[src]
+
 
 def paged_attention(
     q: torch.Tensor,

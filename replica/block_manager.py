@@ -29,6 +29,7 @@ class BlockManager:
         self.hasher = hasher
         self.prefix_cache = PrefixCache(hasher) if enable_prefix_cache else None
         self.allocator = BlockAllocator(num_blocks, block_size, self.prefix_cache)
+        self._copies: list[tuple[int, int]] = []  # (src, dst) for the next forward pass
 
     def admit(self, seq: Sequence, token_budget: int, reserve_blocks: int = 0) -> int | None:
         """Give a waiting sequence its blocks; return how many tokens it computes now.
@@ -42,7 +43,8 @@ class BlockManager:
         bs = self.block_size
         n = seq.num_tokens
         hits: list[int] = []
-        if self.prefix_cache is not None:
+        # prompt logprobs need every prompt position's logits: cached blocks hold none
+        if self.prefix_cache is not None and seq.params.prompt_logprobs is None:
             hashes = self._hashes(seq, n)
             hits = self.prefix_cache.lookup(seq.token_ids, seq.cache_salt, hashes)
             hits = hits[: (n - 1) // bs]
@@ -74,6 +76,33 @@ class BlockManager:
         n = min(seq.num_tokens - seq.num_computed_tokens, token_budget)
         self._publish(seq, seq.num_computed_tokens + n)
         return n
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Give ``child`` the computed context of ``parent`` (another choice of the same
+        request): it shares every full block and gets its own copy of the partial last one
+        (copy-on-write: both will write their next token there), copied before the next
+        forward pass. False, changing nothing, if no block is available for the copy."""
+        bs = self.block_size
+        full, partial = divmod(parent.num_computed_tokens, bs)
+        if partial and self.allocator.num_available < 1:
+            return False
+        shared = parent.block_table[:full]
+        for block in shared:
+            self.allocator.share(block)
+        child.block_table = list(shared)
+        if partial:
+            (copy,) = self.allocator.allocate(1)
+            self._copies.append((parent.block_table[full], copy))
+            child.block_table.append(copy)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_published_blocks = min(parent.num_published_blocks, full)
+        child.block_hashes = parent.block_hashes[:full]
+        return True
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The block copies the next forward pass must run first (and forget them)."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def needs_block(self, seq: Sequence) -> bool:
         """Whether the next decode token (at ``num_computed_tokens``) needs a new block."""

@@ -62,6 +62,8 @@ class EngineConfig(BaseModel):
         checkpoint = checkpoint_for(self.model)
         if not self.model_id:
             self.model_id = checkpoint.name
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be at least max_num_seqs")
         if self.max_model_len is not None and self.max_model_len > self.shape.max_position:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's context of "

@@ -18,14 +18,16 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import ray
 from pydantic import BaseModel, ConfigDict
 from ray import serve
 
 from replica.config import EngineConfig
-from replica.engine import Engine, RequestOutput
+from replica.engine import Engine
 from replica.index import BlockIndex, IndexConfig
 from replica.index_publisher import IndexPublisher
 from replica.messages import EngineChunk, EngineRequest
+from replica.outputs import RequestOutput
 
 log = logging.getLogger("ray.serve")
 
@@ -58,6 +60,7 @@ class EngineReplica:
         self.args = ReplicaArgs.model_validate(args)
         self.engine = Engine(self.args.engine)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.node_id = ray.get_runtime_context().get_node_id()  # where it runs (stats)
         self.publisher = IndexPublisher(
             BlockIndex(self.args.index, self.args.engine.model_id),
             self.replica_id,
@@ -97,13 +100,15 @@ class EngineReplica:
         self._streams[rid] = queue
         assert self._wakeup is not None
         self._wakeup.set()
+        unfinished = request.params.n  # the stream ends when every choice has
         finished = False
         try:
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise EngineFailedError("the engine loop failed") from item
-                finished = item.finished
+                unfinished -= item.finished
+                finished = unfinished == 0
                 yield item
         finally:
             self._streams.pop(rid, None)
@@ -126,6 +131,7 @@ class EngineReplica:
             "index_overflows": publisher.overflows,
             "epoch": self.publisher.epoch,
             "pid": os.getpid(),
+            "node_id": self.node_id,
             "rss_mb": _rss_mb(),
             "idle_audits": self._audits,
             "audit_error": self._audit_error,
@@ -174,8 +180,8 @@ class EngineReplica:
                 for queue in self._streams.values():
                     queue.put_nowait(exc)
                 return
-            for out in outputs:
-                queue = self._streams.get(out.request_id)
+            for out in outputs:  # a choice i > 0 ("<id>#i") streams with its request
+                queue = self._streams.get(out.request_id.split("#", 1)[0])
                 if queue is not None:
                     queue.put_nowait(self._chunk(out))
 
@@ -199,4 +205,7 @@ class EngineReplica:
             num_prompt_tokens=out.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens,
             replica_id=self.replica_id,
+            index=out.index,
+            logprobs=out.logprobs,
+            prompt_logprobs=out.prompt_logprobs,
         )

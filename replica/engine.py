@@ -9,19 +9,19 @@ import itertools
 import time
 from collections import abc
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from replica.audit import check_block_accounting
 from replica.block_manager import BlockManager
+from replica.choices import fork_choices
 from replica.config import EngineConfig, ModelConfig
 from replica.limits import check_request
 from replica.messages import InvalidRequestError
 from replica.model_runner import ModelRunner
+from replica.outputs import RequestOutput, Runner
 from replica.prefix_cache import CacheEvents
-from replica.sampler import Sampler
+from replica.sampler import Sample, Sampler, record_prompt_logprobs
 from replica.sampling_params import SamplingParams
 from replica.scheduler import ScheduledBatch, Scheduler
 from replica.sequence import Sequence, SequenceStatus
@@ -36,30 +36,6 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
 ]
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """One request's progress after a step: the tokens new in this step and all so far.
-
-    ``finish_reason`` is ``"stop"`` (EOS or a stop token), ``"length"`` (``max_tokens``) or
-    ``"abort"``. ``num_cached_tokens`` counts prompt tokens served from the prefix cache.
-    """
-
-    request_id: str
-    new_token_ids: list[int]
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-
-
-class Runner(Protocol):
-    """Runs a scheduled batch: next-token logits ([num_sampled, vocab], float32), one row per
-    sequence whose ``batch.samples`` is set, in batch order."""
-
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor: ...
 
 
 class Engine:
@@ -91,9 +67,10 @@ class Engine:
         self.clock = clock
         self._eos_token_ids = frozenset(config.shape.eos_token_ids)
         self._queued_prefill_tokens = 0
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, config.shape.eos_token_ids)
         self.metrics = EngineMetrics()
         self._seqs: dict[str, Sequence] = {}
+        self._choices: dict[str, list[str]] = {}  # request -> its choices 1..n-1
         self._listeners: list[Callable[[CacheEvents], None]] = []
         self._ids = itertools.count()
 
@@ -133,14 +110,17 @@ class Engine:
         self._queued_prefill_tokens += seq.num_tokens - seq.num_cached_at_arrival
 
     def abort_request(self, request_id: str) -> bool:
-        """Drop a queued or running request and free its blocks. False if unknown."""
+        """Drop a queued or running request (all its choices) and free its blocks. False if
+        unknown."""
+        for choice in self._choices.pop(request_id, []):
+            self.abort_request(choice)
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return False
         self.scheduler.remove(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         self.metrics.num_aborted += 1
-        self._queued_prefill_tokens = self._count_queued_prefill_tokens()
+        self._queued_prefill_tokens = self.scheduler.queued_prefill_tokens()
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -152,16 +132,9 @@ class Engine:
         self.metrics.preemptions += len(batch.preempted)
         outputs = []
         if batch:
-            sampled = [s for s, sample in zip(batch.seqs, batch.samples, strict=True) if sample]
-            tokens = iter(self.sampler.sample(self.runner.execute(batch), sampled))
-            now = self.clock()
-            for seq, n, sample in zip(batch.seqs, batch.num_new_tokens, batch.samples, strict=True):
-                self.metrics.computed_tokens += n
-                seq.num_computed_tokens += n
-                if sample:  # the chunk reached the last token: the step produced the next
-                    outputs.append(self._advance(seq, next(tokens), now))
+            outputs = self._finish_step(batch, self.runner.execute(batch))
             self.metrics.steps += 1
-        self._queued_prefill_tokens = self._count_queued_prefill_tokens()
+        self._queued_prefill_tokens = self.scheduler.queued_prefill_tokens()
         self._emit_events()
         return outputs
 
@@ -171,7 +144,8 @@ class Engine:
         params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts that arrive together to completion; outputs in input order."""
+        """Run prompts that arrive together to completion; outputs in input order (choice 0
+        of a request with ``n`` > 1: ``generate_choices`` gives them all)."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -181,11 +155,22 @@ class Engine:
         for rid, prompt, p in zip(ids, prompts, params, strict=True):
             self.add_request(rid, prompt, p, cache_salt)
         results: dict[str, RequestOutput] = {}
-        while len(results) < len(ids):
-            for out in self.step():
-                if out.finished:
-                    results[out.request_id] = out
+        wanted = sum(p.n for p in params)
+        while len(results) < wanted:
+            results |= {out.request_id: out for out in self.step() if out.finished}
         return [results[rid] for rid in ids]
+
+    def generate_choices(
+        self, prompt: abc.Sequence[int], params: SamplingParams
+    ) -> list[RequestOutput]:
+        """Run one prompt with ``params.n`` choices to completion; outputs by choice."""
+        rid = f"choices-{next(self._ids)}"
+        self.add_request(rid, prompt, params)
+        ids = [rid] + [f"{rid}#{i}" for i in range(1, params.n)]
+        results: dict[str, RequestOutput] = {}
+        while len(results) < len(ids):
+            results |= {out.request_id: out for out in self.step() if out.finished}
+        return [results[i] for i in ids]
 
     # -- cache events and introspection -----------------------------------------------------
 
@@ -220,16 +205,46 @@ class Engine:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _advance(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+    def _finish_step(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[RequestOutput]:
+        """Account what the step computed and sample where a chunk reached the last token
+        (its row is the last of its logits rows; earlier ones are prompt logprobs)."""
+        rows = logits.split(batch.logit_rows)
+        sampled = [i for i, sample in enumerate(batch.samples) if sample]
+        last_rows = torch.stack([rows[i][-1] for i in sampled]) if sampled else logits[:0]
+        samples = self.sampler.sample(last_rows, [batch.seqs[i] for i in sampled])
+        for seq, n, own in zip(batch.seqs, batch.num_new_tokens, rows, strict=True):
+            self.metrics.computed_tokens += n
+            record_prompt_logprobs(seq, own, n)
+            seq.num_computed_tokens += n
+        now = self.clock()
+        outputs = []
+        for i, sample in zip(sampled, samples, strict=True):
+            seq = batch.seqs[i]
+            first_of_many = seq.params.n > 1 and seq.num_output_tokens == 0
+            outputs.append(self._advance(seq, sample, now))
+            if first_of_many:
+                outputs += self._fork_choices(seq, rows[i][-1], now)
+        return outputs
+
+    def _fork_choices(self, parent: Sequence, row: torch.Tensor, now: float) -> list[RequestOutput]:
+        """Choices 1..n-1 of ``parent``, from its one prefill (``replica.choices``)."""
+        outputs = []
+        for child, sample in fork_choices(parent, row, self.sampler, self.scheduler):
+            self._seqs[child.request_id] = child
+            self._choices.setdefault(parent.request_id, []).append(child.request_id)
+            outputs.append(self._advance(child, sample, now))
+        return outputs
+
+    def _advance(self, seq: Sequence, sample: Sample, now: float) -> RequestOutput:
         m = self.metrics
+        token = sample.token_id
         m.generation_tokens += 1
         if seq.first_token_time is None:  # first step of this request: its prompt is done
             m.prompt_tokens += seq.num_prompt_tokens
             m.cached_prompt_tokens += seq.num_cached_prompt_tokens or 0
             seq.first_token_time = now
             m.ttft_s.append(now - seq.arrival_time)
-        else:
-            assert seq.last_token_time is not None
+        elif seq.last_token_time is not None:  # (a forked choice's first token has none)
             m.itl_s.append(now - seq.last_token_time)
         seq.last_token_time = now
         seq.token_ids.append(token)
@@ -245,6 +260,7 @@ class Engine:
             self.scheduler.remove(seq)
             del self._seqs[seq.request_id]
             m.num_finished += 1
+        prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=[token],
@@ -253,18 +269,10 @@ class Engine:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_prompt_tokens or 0,
+            index=seq.index,
+            logprobs=None if sample.logprob is None else [sample.logprob],
+            prompt_logprobs=prompt_logprobs,
         )
-
-    def _count_queued_prefill_tokens(self) -> int:
-        """Prompt tokens still to compute: the rest of prompts being chunked, and the
-        uncached part of waiting prompts (estimated when they arrived)."""
-        running = sum(
-            s.num_tokens - s.num_computed_tokens
-            for s in self.scheduler.running
-            if s.num_tokens - s.num_computed_tokens > 1
-        )
-        waiting = sum(s.num_tokens - s.num_cached_at_arrival for s in self.scheduler.waiting)
-        return running + waiting
 
     def _emit_events(self) -> None:
         cache = self.block_manager.prefix_cache

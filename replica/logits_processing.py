@@ -17,6 +17,8 @@ import torch
 
 from replica.sampling_params import SamplingParams
 
+LOGIT_BOUND = 1e30
+
 
 def needs_processing(params: SamplingParams) -> bool:
     return bool(
@@ -53,4 +55,7 @@ def process_logits(
         counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=vocab)
         counts = counts[:vocab].to(out.dtype)
         out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
-    return out
+    # a tiny repetition penalty can push logits to infinity, and several infinite logits
+    # make softmax NaN; within +-1e30 every temperature (>= 1e-5) still divides finitely,
+    # and a banned token (-inf, now -1e30) still gets probability exactly 0
+    return out.clamp_(-LOGIT_BOUND, LOGIT_BOUND)

@@ -7,6 +7,15 @@ from dataclasses import dataclass, field
 from replica.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model, and the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class InvalidRequestError(ValueError):
     """A request the engine can never serve (the message says why); nothing was changed."""
 
@@ -39,3 +48,6 @@ class EngineChunk:
     num_prompt_tokens: int
     num_cached_tokens: int
     replica_id: str
+    index: int = 0  # the choice (n > 1); ``finished`` is that choice's
+    logprobs: list[TokenLogprob] | None = None  # of ``token_ids``, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # the first chunk, when asked

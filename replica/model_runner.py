@@ -44,8 +44,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Run every scheduled token; logits ([num_sampled, vocab], float32) of the last
-        token of each sequence that samples this step (``batch.samples``)."""
+        """Run every scheduled token; the logits ([rows, vocab], float32) of the last
+        ``batch.logit_rows[i]`` tokens of each sequence i, in batch order. Block copies of
+        forked sequences run first."""
+        self.kv_cache.copy_blocks(batch.block_copies)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -55,14 +57,13 @@ class ModelRunner:
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
-        for seq, n, sample in zip(batch.seqs, batch.num_new_tokens, batch.samples, strict=True):
+        for seq, n, rows in zip(batch.seqs, batch.num_new_tokens, batch.logit_rows, strict=True):
             start, first = len(input_ids), seq.num_computed_tokens
             context_len = first + n
             input_ids += seq.token_ids[first:context_len]
             positions += range(first, context_len)
             slots += (seq.block_table[p // bs] * bs + p % bs for p in range(first, context_len))
-            if sample:
-                last_rows.append(start + n - 1)
+            last_rows += range(start + n - rows, start + n)
             used_blocks = seq.block_table[: -(-context_len // bs)]
             if n == 1:
                 decode_rows.append(start)

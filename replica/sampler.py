@@ -6,19 +6,35 @@ output tokens, and the logits: each draw uses a generator seeded with
 after any number of earlier steps, and on any replica: a stream resumed on another replica
 after its replica died continues exactly where it left off. The seed is ``params.seed``
 (any integer, taken modulo 2**63); without one, the engine seed and the request id (the
-ingress always assigns a seed, so its resumes reproduce).
+ingress always assigns a seed, so its resumes reproduce). Logits are first processed by the
+request's parameters (``replica.logits_processing``); logprobs come from the raw logits.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
+from replica.logits_processing import needs_processing, process_logits
+from replica.messages import TokenLogprob
 from replica.sequence import Sequence
 
 # Below this temperature, sampling is greedy: dividing by it would overflow the logits.
 MIN_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class Sample:
+    token_id: int
+    logprob: TokenLogprob | None = None  # set when the request asked for logprobs
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    p = seq.params
+    return p.temperature < MIN_TEMPERATURE and p.logprobs is None and not needs_processing(p)
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -27,18 +43,61 @@ def position_seed(seed: int, position: int) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
-class Sampler:
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
+def token_logprobs(logits: torch.Tensor, tokens: Iterable[int], top: int) -> list[TokenLogprob]:
+    """Each row's log-softmax at its token, with the ``top`` most likely tokens."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    best = logprobs.topk(top, dim=-1) if top else None
+    out = []
+    for row, token in enumerate(tokens):
+        alternatives: tuple[tuple[int, float], ...] = ()
+        if best is not None:
+            ids, values = best.indices[row].tolist(), best.values[row].tolist()
+            alternatives = tuple(zip(ids, values, strict=True))
+        out.append(TokenLogprob(int(token), float(logprobs[row, token]), alternatives))
+    return out
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """``logits``: [len(seqs), vocab], float32. Returns one token per sequence, the one
-        at position ``seq.num_output_tokens`` of its output."""
-        tokens = logits.argmax(dim=-1).tolist()
-        for row, seq in enumerate(seqs):
-            if seq.params.temperature >= MIN_TEMPERATURE:
-                tokens[row] = self._draw(logits[row], seq)
-        return tokens
+
+def record_prompt_logprobs(seq: Sequence, rows: torch.Tensor, num_new: int) -> None:
+    """Keep the log-probabilities of the prompt tokens that a chunk's logits rows predict
+    (row j predicts token ``first + j + 1``), when the request asked for them."""
+    top = seq.params.prompt_logprobs
+    first = seq.num_computed_tokens
+    if top is None or first >= seq.num_prompt_tokens:
+        return
+    if seq.prompt_logprobs is None:
+        seq.prompt_logprobs = [None]  # the first prompt token has no context to predict it
+    targets = seq.token_ids[first + 1 : min(first + num_new + 1, seq.num_prompt_tokens)]
+    seq.prompt_logprobs += token_logprobs(rows[: len(targets)], targets, top)
+
+
+class Sampler:
+    def __init__(self, seed: int, end_token_ids: Iterable[int] = ()) -> None:
+        self.seed = seed
+        self.end_token_ids = tuple(end_token_ids)  # what min_tokens holds back
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sample]:
+        """``logits``: [len(seqs), vocab], float32. One sample per sequence: the token at
+        position ``seq.num_output_tokens`` of its output."""
+        greedy = logits.argmax(dim=-1).tolist()  # one call for the plain greedy rows
+        return [
+            Sample(greedy[row]) if _plain_greedy(seq) else self.sample_one(logits[row], seq)
+            for row, seq in enumerate(seqs)
+        ]
+
+    def sample_one(self, logits: torch.Tensor, seq: Sequence) -> Sample:
+        params = seq.params
+        processed = logits
+        if needs_processing(params):
+            prompt, output = seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids
+            processed = process_logits(logits, params, prompt, output, self.end_token_ids)
+        if params.temperature >= MIN_TEMPERATURE:
+            token = self._draw(processed, seq)
+        else:
+            token = int(processed.argmax())
+        if params.logprobs is None:
+            return Sample(token)
+        (logprob,) = token_logprobs(logits.unsqueeze(0), [token], params.logprobs)
+        return Sample(token, logprob)
 
     def request_seed(self, seq: Sequence) -> int:
         if seq.params.seed is not None:

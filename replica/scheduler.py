@@ -39,15 +39,22 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)  # last rows whose logits it needs
     preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) first
 
     def __len__(self) -> int:
         return len(self.seqs)
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        sample = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
+        in_prompt = seq.num_computed_tokens < seq.num_prompt_tokens
+        wants_prompt = seq.params.prompt_logprobs is not None and in_prompt
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
-        self.samples.append(seq.num_computed_tokens + num_new_tokens == seq.num_tokens)
+        self.samples.append(sample)
+        # every row of a prompt whose logprobs are asked for; else the sampled row only
+        self.logit_rows.append(num_new_tokens if wants_prompt else int(sample))
 
     @property
     def num_decodes(self) -> int:
@@ -108,7 +115,7 @@ class Scheduler:
         self.block_manager.release(seq)
 
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
+        batch = ScheduledBatch(block_copies=self.block_manager.take_copies())
         budget = self._schedule_running(batch, self.max_num_batched_tokens)
         if batch.preempted:
             self.reserve_ratio = 1.0
@@ -116,6 +123,15 @@ class Scheduler:
         self.reserve_ratio = max(_RATIO_MIN, self.reserve_ratio - _RATIO_DECAY)
         self._admit_waiting(batch, budget)
         return batch
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute: the rest of prompts being chunked, and the
+        uncached part of waiting prompts (estimated when they arrived)."""
+        running = sum(
+            s.num_tokens - s.num_computed_tokens for s in self.running if not _decoding(s)
+        )
+        waiting = sum(s.num_tokens - s.num_cached_at_arrival for s in self.waiting)
+        return running + waiting
 
     def reserve_blocks(self) -> int:
         """Blocks kept free for the running requests' next tokens (``reserve_ratio`` of the

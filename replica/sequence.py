@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from replica.sampling_params import SamplingParams
 
@@ -37,6 +38,8 @@ class Sequence:
     num_published_blocks: int = 0
     num_cached_prompt_tokens: int | None = None  # served from the cache at first admission
     num_cached_at_arrival: int = 0  # what the cache held of it on arrival (an estimate)
+    index: int = 0  # which choice of its request (n > 1)
+    prompt_logprobs: list[Any] | None = None  # collected chunk by chunk, when asked for
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_reason: str | None = None

@@ -38,6 +38,10 @@ class Tokenizer(Protocol):
         assistant's reply begins."""
         ...
 
+    def token_text(self, token_id: int) -> str:
+        """One token as text, special tokens included (for logprobs)."""
+        ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes are tokens 0..255; BOS = 256, EOS = 257 (the tiny random model's).
@@ -64,6 +68,11 @@ class ByteTokenizer:
     def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
         parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
         return "".join(parts) + "<|assistant|>\n"
+
+    def token_text(self, token_id: int) -> str:
+        if token_id >= 256:
+            return "<bos>" if token_id == self.bos_token_id else "<eos>"
+        return bytes([token_id]).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
@@ -100,6 +109,9 @@ class HFTokenizer:
     def encode_chat(self, text: str) -> list[int]:
         """Ids of a rendered chat prompt: the template already holds the special tokens."""
         return list(self._tok.encode(text, add_special_tokens=False))
+
+    def token_text(self, token_id: int) -> str:
+        return self._tok.decode([token_id], skip_special_tokens=False)
 
     def save(self, folder: str) -> None:
         """Write ``tokenizer.json`` and its config (chat template included) to ``folder``."""

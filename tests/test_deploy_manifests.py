@@ -35,7 +35,8 @@ def documents(path: Path) -> list[dict[str, Any]]:
 def flatten(args: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in args.items():
-        if isinstance(value, dict) and key != "autoscaling":
+        # nested config models are spelled out; mappings the user fills in stay whole
+        if isinstance(value, dict) and key != "autoscaling" and not key.endswith("_resources"):
             out |= flatten(value, f"{prefix}{key}.")
         else:
             out[f"{prefix}{key}"] = value

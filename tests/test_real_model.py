@@ -52,9 +52,12 @@ class Recording:
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         logits = self.runner.execute(batch)
         self.batches.append(batch)
-        sampled = [s for s, sample in zip(batch.seqs, batch.samples, strict=True) if sample]
-        for seq, row in zip(sampled, logits, strict=True):
-            self.logits.setdefault(seq.request_id, []).append(row.clone())
+        end = 0  # each sequence's rows in order, its sampled token's row last
+        for seq, rows, sample in zip(batch.seqs, batch.logit_rows, batch.samples, strict=True):
+            end += rows
+            if sample:
+                self.logits.setdefault(seq.request_id, []).append(logits[end - 1].clone())
+        assert end == logits.shape[0]
         return logits
 
 
@@ -80,12 +83,17 @@ def runner() -> ModelRunner:
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoint, prompts) -> list[tuple[list[int], list[torch.Tensor]]]:
-    """transformers' greedy tokens and per-position logits for every prompt."""
+def hf_model(checkpoint) -> HFLlama:
     state = checkpoint.state_dict()
-    config = LlamaConfig(**hf_config(checkpoint.shape))
-    model = HFLlama(config).eval()
+    model = HFLlama(LlamaConfig(**hf_config(checkpoint.shape))).eval()
     model.load_state_dict({**state, "lm_head.weight": state["model.embed_tokens.weight"]})
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, prompts) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """transformers' greedy tokens and per-position logits for every prompt."""
+    model, config = hf_model, hf_model.config
     results = []
     with torch.inference_mode():
         for ids in prompts:
@@ -168,4 +176,48 @@ def test_preemption_on_a_tiny_pool_changes_nothing(runner, prompts, reference) -
     outs = engine.generate(prompts, GREEDY)
     assert engine.stats().preemptions > 0
     assert_matches(outs, recording, reference)
+    engine.check_invariants()
+
+
+def run_collecting_logprobs(engine: Engine, prompt: list[int], params: SamplingParams):
+    """The output tokens, their logprobs, and the prompt's logprobs, by stepping."""
+    engine.add_request("scored", prompt, params)
+    tokens, logprobs, prompt_logprobs = [], [], None
+    while True:
+        (out,) = [o for o in engine.step() if o.request_id == "scored"] or [None]
+        if out is None:
+            continue
+        tokens += out.new_token_ids
+        logprobs += out.logprobs or []
+        prompt_logprobs = prompt_logprobs or out.prompt_logprobs
+        if out.finished:
+            return tokens, logprobs, prompt_logprobs
+
+
+def assert_logprobs_equal(entries, targets: list[int], logits: list[torch.Tensor]) -> None:
+    """Each entry equals transformers' log-softmax at its token, and its alternatives are
+    transformers' five most likely tokens, within 1e-4."""
+    assert len(entries) == len(targets) == len(logits)
+    for entry, target, row in zip(entries, targets, logits, strict=True):
+        want = torch.log_softmax(row.float(), dim=-1)
+        assert entry.token_id == target
+        assert entry.logprob == pytest.approx(float(want[target]), abs=1e-4)
+        top = want.topk(5)
+        assert [t for t, _ in entry.top] == top.indices.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_logprobs_equal_transformers_log_softmax(runner, prompts, reference, hf_model) -> None:
+    engine, _ = engine_with(runner, num_blocks=512)
+    engine.generate([prompts[1]], GREEDY)  # the system prompt is cached: scoring recomputes it
+    params = GREEDY.model_copy(update={"logprobs": 5, "prompt_logprobs": 5})
+    prompt = prompts[2]
+    tokens, logprobs, prompt_logprobs = run_collecting_logprobs(engine, prompt, params)
+    want_tokens, want_logits = reference[2]
+    assert tokens == want_tokens
+    assert_logprobs_equal(logprobs, tokens, want_logits)
+    with torch.inference_mode():
+        prompt_logits = hf_model(torch.tensor([prompt])).logits[0]
+    assert prompt_logprobs[0] is None  # nothing predicts the first token
+    assert_logprobs_equal(prompt_logprobs[1:], prompt[1:], list(prompt_logits[:-1]))
     engine.check_invariants()

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 from cluster.experiments import (
+    autoscale,
+    choices_bench,
     engine_bench,
     faults,
     index_bench,
@@ -19,11 +21,13 @@ from cluster.experiments import (
 
 EXPERIMENTS = {
     "engine": (engine_bench, "prefix cache off vs on on one trace, one engine (and vLLM)"),
+    "choices": (choices_bench, "n samples of one prompt: one prefill, TTFT next to n = 1"),
     "speed": (speed, "prefill and decode throughput next to transformers and vLLM"),
     "scheduling": (scheduling, "chunked prefill and the admission reserve on one engine"),
     "index": (index_bench, "Redis index query latency, publish throughput, memory"),
     "routing": (routing, "routing policies compared on the real cluster: JSON, Markdown, PNG"),
     "simulate": (simulate, "the same policies and cache code on simulated replicas"),
+    "autoscale": (autoscale, "replicas follow a rising and falling load: JSON, Markdown, PNG"),
     "faults": (faults, "fault, overload and soak scenarios with a JSON and Markdown report"),
 }
 

@@ -100,4 +100,4 @@ class CostRunner:
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         self.clock.now += self.cost.step_time(batch)
-        return torch.zeros(sum(batch.samples), self.vocab)
+        return torch.zeros(sum(batch.logit_rows), self.vocab)

@@ -1,4 +1,5 @@
-"""``index``: Redis index query latency, publish throughput and memory per indexed block."""
+"""``index``: Redis index query latency, publish throughput and memory per indexed block;
+with ``--scale``, what the index costs as replicas grow (``scale``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import redis
 
+from cluster.experiments.index_scale import measure_scale
 from cluster.experiments.redis_server import LocalRedis
 from replica.hashing import BlockHasher
 from replica.index import BlockIndex, IndexConfig
@@ -24,12 +26,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--queries", type=int, default=2000)
     parser.add_argument("--batch", type=int, default=64, help="hashes per publish (one step)")
+    parser.add_argument(
+        "--scale", default="", help="replica counts to measure one by one, e.g. 16,256,1024"
+    )
+    parser.add_argument("--blocks-per-replica", type=int, default=1024, help="with --scale")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         url = args.redis_url or stack.enter_context(LocalRedis()).url
-        return measure(url, args)
+        result = measure(url, args)
+        counts = [int(n) for n in args.scale.split(",") if n]
+        if counts:
+            result["scale"] = [measure_scale(url, n, args) for n in counts]
+        return result
 
 
 def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -2,6 +2,9 @@
 
 Used by the end-to-end tests and the routing experiments. The config is written from
 ``ClusterArgs``; ``serve run`` starts its own local Ray instance, and stopping it stops both.
+Given a ``ray_address`` (an existing, possibly multi-node Ray cluster), ``serve run`` joins
+it as ``RAY_ADDRESS`` does, and stopping shuts down the application only: the Ray cluster
+belongs to whoever started it.
 """
 
 from __future__ import annotations
@@ -27,10 +30,14 @@ from replica.index import BlockIndex
 REPO = Path(__file__).resolve().parent.parent
 
 
-def serve_config(args: ClusterArgs, port: int, app_name: str = "llm") -> dict[str, Any]:
-    """A ``serve run`` config for one application built by ``cluster.app:build_app``."""
+def serve_config(
+    args: ClusterArgs, port: int, app_name: str = "llm", proxy_location: str = "HeadOnly"
+) -> dict[str, Any]:
+    """A ``serve run`` config for one application built by ``cluster.app:build_app``. One
+    proxy, on the head node: nodes sharing a host cannot each bind the port (on Kubernetes,
+    ``EveryNode`` behind the serve Service is the convention; see deploy/kubernetes)."""
     return {
-        "proxy_location": "HeadOnly",
+        "proxy_location": proxy_location,
         "http_options": {"host": "127.0.0.1", "port": port},
         "applications": [
             {
@@ -53,9 +60,14 @@ class ServeCluster:
     """``serve run`` in a subprocess, ready when every engine replica has registered."""
 
     def __init__(
-        self, args: ClusterArgs, port: int | None = None, log_path: Path | None = None
+        self,
+        args: ClusterArgs,
+        port: int | None = None,
+        log_path: Path | None = None,
+        ray_address: str | None = None,
     ) -> None:
         self.args = args
+        self.ray_address = ray_address
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self._dir = Path(tempfile.mkdtemp(prefix="serve-"))
@@ -66,6 +78,8 @@ class ServeCluster:
         config = self._dir / "config.yaml"
         config.write_text(yaml.safe_dump(serve_config(self.args, self.port)))
         env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+        if self.ray_address is not None:
+            env["RAY_ADDRESS"] = self.ray_address
         serve = Path(sys.executable).with_name("serve")
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
@@ -96,9 +110,10 @@ class ServeCluster:
         if self._proc is not None:
             graceful = self._signal_until_stopped(timeout_s)
             self._proc = None
-            # the backstop: nothing of this Ray instance may outlive the cluster
-            ray = Path(sys.executable).with_name("ray")
-            subprocess.run([str(ray), "stop", "--force"], capture_output=True, timeout=120)
+            if self.ray_address is None:
+                # the backstop: nothing of this Ray instance may outlive the cluster
+                ray = Path(sys.executable).with_name("ray")
+                subprocess.run([str(ray), "stop", "--force"], capture_output=True, timeout=120)
         if keep_logs or not graceful:
             sys.stderr.write(f"serve run's config and log are kept in {self._dir}\n")
         elif self._dir.exists():

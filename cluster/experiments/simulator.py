@@ -23,7 +23,8 @@ from cluster.experiments.sim_index import SimIndex
 from cluster.experiments.workloads import TraceRequest
 from replica.checkpoints import checkpoint_for
 from replica.config import EngineConfig
-from replica.engine import Engine, RequestOutput
+from replica.engine import Engine
+from replica.outputs import RequestOutput
 from replica.sampling_params import SamplingParams
 from router.policies import RoutingPolicy, RoutingRequest
 

@@ -8,6 +8,9 @@ Jobs (``kind``):
 
 * ``generate``: prompts submitted together, ``max_tokens`` each (greedy, EOS ignored); the
   prefix cache is reset before every repeat, so each run computes its prompts in full.
+* ``choices``: one prompt with ``n`` samples per request for each ``n`` listed, repeated
+  in ABBA order with the prefix cache reset before each; the time until every choice has
+  its first token, and the prompt tokens each choice found cached.
 * ``trace``: open-loop arrivals (``arrival_s``), replayed through the engine's
   ``add_request``/``step`` loop, timing each request's first token and the gaps between its
   tokens, with the prefix cache on and warmed the way the job says.
@@ -94,6 +97,34 @@ def _trace(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _choices(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams, TokensPrompt
+
+    engine = llm.llm_engine
+    prompt = TokensPrompt(prompt_token_ids=job["prompt_token_ids"])
+    ttft: dict[int, list[float]] = {n: [] for n in job["n"]}
+    cached: dict[int, list[int]] = {}
+    for rep in range(job["repeats"]):
+        order = job["n"] if rep % 2 == 0 else job["n"][::-1]
+        for n in order:
+            llm.reset_prefix_cache()
+            params = SamplingParams(
+                n=n, max_tokens=job["max_tokens"], temperature=1.0, seed=rep, ignore_eos=True
+            )
+            start = time.perf_counter()
+            engine.add_request(f"choices-{rep}-{n}", prompt, params)
+            started: set[int] = set()  # choices with a token (outputs may come one by one)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if len(started) == n:
+                        continue
+                    started |= {o.index for o in out.outputs if o.token_ids}
+                    cached.setdefault(n, []).append(out.num_cached_tokens or 0)
+                    if len(started) == n:
+                        ttft[n].append(time.perf_counter() - start)
+    return {"ttft_s": ttft, "cached": cached}
+
+
 def main(path: str) -> None:
     with open(path) as f:
         spec = json.load(f)
@@ -117,7 +148,7 @@ def main(path: str) -> None:
 
     result["vllm"] = vllm.__version__
     for job in spec["jobs"]:
-        run = _generate if job["kind"] == "generate" else _trace
+        run = {"generate": _generate, "choices": _choices, "trace": _trace}[job["kind"]]
         result["jobs"][job["name"]] = run(llm, job)
     sys.stdout.write(json.dumps(result) + "\n")
 

@@ -1,0 +1,208 @@
+"""``autoscale``: the engine deployment follows a load that rises and falls (Ray Serve's
+``autoscaling_config``), and routing and the index stay correct while replicas come and go.
+
+One cluster with its own Redis, ``min_replicas`` 1 to ``max_replicas`` 3. The load is the
+multi-tenant trace in phases of constant rate (``--phases``, "seconds:rate,..."). Every
+second the index's live replicas are sampled; every request's arrival, TTFT, cached tokens
+and replica are kept. Per ``--window-s`` window: the arrival rate, replicas (mean of the
+samples), hit rate and TTFT p50 of the requests that arrived in it, and the share of them
+served by replicas added after the start. JSON, a Markdown table and a PNG (four panels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from cluster.config import Autoscaling, ClusterArgs
+from cluster.experiments.launcher import ServeCluster
+from cluster.experiments.loadgen import RequestResult, drive
+from cluster.experiments.redis_server import LocalRedis
+from cluster.experiments.scenario import counts
+from cluster.experiments.workloads import TraceRequest, WorkloadSpec, make_trace
+from replica.config import EngineConfig
+from replica.index import BlockIndex, IndexConfig
+from replica.stats import percentile
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--phases", default="40:0.5,80:5,80:0.5", help="seconds:rate,...")
+    parser.add_argument("--window-s", type=float, default=10.0)
+    parser.add_argument("--max-replicas", type=int, default=3)
+    parser.add_argument("--target-ongoing", type=float, default=2.0)
+    parser.add_argument("--output-tokens", default="48,96", help="min,max per request")
+    parser.add_argument("--tenants", type=int, default=24)
+    parser.add_argument("--seed", type=int, default=7)
+
+
+def phased_trace(phases: list[tuple[float, float]], args: argparse.Namespace) -> list[TraceRequest]:
+    """The multi-tenant trace, its arrival rate constant within each phase."""
+    low, high = (int(x) for x in args.output_tokens.split(","))
+    trace: list[TraceRequest] = []
+    start = 0.0
+    for k, (seconds, rate) in enumerate(phases):
+        spec = WorkloadSpec(
+            "multi_tenant",
+            num_requests=max(1, int(seconds * rate)),
+            rate=rate,
+            seed=args.seed + k,
+            tenants=args.tenants,
+            zipf=0.6,
+            output_tokens=(low, high),
+        )
+        part = make_trace(spec)
+        trace += [
+            replace(r, request_id=f"p{k}-{r.request_id}", arrival_s=start + r.arrival_s)
+            for r in part
+            if r.arrival_s < seconds
+        ]
+        start += seconds
+    return trace
+
+
+class ReplicaSampler(threading.Thread):
+    """The index's live replicas, once a second."""
+
+    def __init__(self, index: BlockIndex) -> None:
+        super().__init__(daemon=True)
+        self.index = index
+        self.samples: list[tuple[float, set[str]]] = []
+        self.stop = threading.Event()
+        self.start_time = time.monotonic()
+
+    def run(self) -> None:
+        while not self.stop.wait(1.0):
+            live = set(self.index.live_replicas())
+            self.samples.append((time.monotonic() - self.start_time, live))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    phases = [(float(s), float(r)) for s, r in (p.split(":") for p in args.phases.split(","))]
+    trace = phased_trace(phases, args)
+    with LocalRedis() as redis_server:
+        cluster_args = ClusterArgs(
+            autoscaling=Autoscaling(
+                min_replicas=1,
+                max_replicas=args.max_replicas,
+                target_ongoing_requests=args.target_ongoing,
+                upscale_delay_s=3.0,
+                downscale_delay_s=15.0,
+                metrics_interval_s=1.0,
+                look_back_period_s=5.0,
+            ),
+            replica_num_cpus=min(0.5, 1.5 / args.max_replicas),
+            engine=EngineConfig(num_threads=1, num_blocks=640),
+            index=IndexConfig(url=redis_server.url, cluster="autoscale"),
+        )
+        with ServeCluster(cluster_args) as cluster:
+            index = BlockIndex(cluster_args.index, cluster_args.engine.model_id)
+            initial = set(index.live_replicas())
+            sampler = ReplicaSampler(index)
+            sampler.start()
+            results, _ = drive(cluster.base_url, cluster_args.engine.model_id, trace, 300)
+            time.sleep(30)  # the downscale delay passes with no load: back to one replica
+            sampler.stop.set()
+            sampler.join()
+            final = set(index.live_replicas())
+            index.close()
+    windows = per_window(trace, results, sampler.samples, initial, args.window_s)
+    result = {
+        "phases": phases,
+        "requests": counts(results, len(trace)),
+        "initial_replicas": len(initial),
+        "max_live_replicas": max(len(live) for _, live in sampler.samples),
+        "final_replicas": len(final),
+        "windows": windows,
+        "conditions": {k: v for k, v in vars(args).items() if k != "out"},
+    }
+    write(args.out or Path("results/autoscale"), result)
+    return result
+
+
+def per_window(
+    trace: list[TraceRequest],
+    results: list[RequestResult],
+    samples: list[tuple[float, set[str]]],
+    initial: set[str],
+    window_s: float,
+) -> list[dict[str, Any]]:
+    """Rate, replicas, hit rate, TTFT p50 and the new replicas' share, per arrival window."""
+    end = max([r.arrival_s for r in trace] + [t for t, _ in samples])
+    windows = []
+    for w in range(int(end // window_s) + 1):
+        lo, hi = w * window_s, (w + 1) * window_s
+        pairs = [(q, r) for q, r in zip(trace, results, strict=True) if lo <= q.arrival_s < hi]
+        ok = [r for _, r in pairs if r.status == 200]
+        live = [len(s) for t, s in samples if lo <= t < hi]
+        prompt = sum(r.prompt_tokens for r in ok)
+        windows.append(
+            {
+                "start_s": lo,
+                "rate": len(pairs) / window_s,
+                "replicas": sum(live) / len(live) if live else None,
+                "hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else None,
+                "ttft_p50_s": percentile([r.ttft_s for r in ok if r.ttft_s is not None], 50),
+                "served_by_new_replicas": (
+                    sum(r.replica not in initial for r in ok) / len(ok) if ok else None
+                ),
+                "failed": len(pairs) - len(ok),
+            }
+        )
+    return windows
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = [
+        "| window start s | arrivals/s | replicas | hit rate | TTFT p50 s | on new replicas |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for w in result["windows"]:
+        cells = [w["start_s"], w["rate"], w["replicas"], w["hit_rate"], w["ttft_p50_s"]]
+        cells.append(w["served_by_new_replicas"])
+        rows.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def plot(path: Path, result: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    windows = result["windows"]
+    x = [w["start_s"] for w in windows]
+    panels = [
+        ("rate", "arrivals / s"),
+        ("replicas", "live replicas"),
+        ("hit_rate", "hit rate"),
+        ("ttft_p50_s", "TTFT p50 (s)"),
+    ]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 8), sharex=True)
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        ax.step(x, [w[key] if w[key] is not None else float("nan") for w in windows], where="post")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("time (s), 10 s windows by arrival")
+    fig.suptitle("Autoscaling 1 -> 3 -> 1 replicas under a rising and falling load")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(out: Path, result: dict[str, Any]) -> None:
+    """``out`` is a folder: autoscale.json, autoscale.md, autoscale.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "autoscale.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    (out / "autoscale.md").write_text(markdown(result))
+    plot(out / "autoscale.png", result)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,107 @@
+"""OpenAI request bodies to engine requests: what the model allows, the sampling parameters,
+the cache salt, and the block hashes the router reads (hashed once, here)."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import uuid
+
+from fastapi import Request
+
+from cluster.api_errors import APIError
+from cluster.api_models import ChatCompletionRequest, CompletionRequest
+from cluster.config import ClusterArgs
+from replica.hashing import BlockHasher
+from replica.messages import EngineRequest
+from replica.sampling_params import SamplingParams
+
+Body = CompletionRequest | ChatCompletionRequest
+
+
+class RequestBuilder:
+    def __init__(self, args: ClusterArgs, hasher: BlockHasher) -> None:
+        self.args = args
+        self.hasher = hasher
+        self.model_id = args.engine.model_id
+        self.vocab = args.engine.shape.vocab_size
+
+    def build(
+        self, body: Body, request: Request, ids: list[int], text: str, max_tokens: int
+    ) -> EngineRequest:
+        """The engine request for a body, or the API error that says why there is none."""
+        if body.model != self.model_id:
+            raise APIError(
+                404,
+                f"The model '{body.model}' does not exist; this server serves '{self.model_id}'",
+                code="model_not_found",
+                param="model",
+            )
+        self._check_lengths(body, ids, max_tokens)
+        salt = self.cache_salt(body, request)
+        chain = self.hasher.chain(ids, salt)
+        k = self.args.routing.affinity_blocks
+        return EngineRequest(
+            request_id=uuid.uuid4().hex,
+            prompt_token_ids=ids,
+            params=self.sampling_params(body, max_tokens),
+            block_hashes=chain,
+            affinity_key=self.hasher.affinity_key(ids, k, salt, chain),
+            cache_salt=salt,
+            prompt=text,
+        )
+
+    def sampling_params(self, body: Body, max_tokens: int) -> SamplingParams:
+        bias = {int(t): b for t, b in (body.logit_bias or {}).items()}
+        stop_ids = body.stop_token_ids or []
+        if any(t >= self.vocab for t in bias) or any(not 0 <= t < self.vocab for t in stop_ids):
+            raise APIError(400, f"token ids must be in [0, {self.vocab})", param="logit_bias")
+        if isinstance(body, CompletionRequest):
+            logprobs, prompt_logprobs = body.logprobs, body.logprobs if body.echo else None
+        else:
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+            prompt_logprobs = None
+        return SamplingParams(
+            max_tokens=max(max_tokens, 1),  # echo with max_tokens 0 scores the prompt only
+            temperature=body.temperature,
+            top_p=body.top_p,
+            # a seed of its own, so a stream resumed on another replica samples the same
+            seed=body.seed if body.seed is not None else secrets.randbits(62),
+            ignore_eos=body.ignore_eos,
+            stop_token_ids=tuple(stop_ids),
+            n=body.n,
+            min_tokens=min(body.min_tokens, max_tokens),  # at least max_tokens: exactly that
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logit_bias=bias,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def cache_salt(self, body: Body, request: Request) -> str | None:
+        """The client's salt (body, or ``x-cache-salt``); with API keys, also the key's, so
+        users of one key share cached prefixes and different keys never do (unless the
+        operator shares them across keys)."""
+        salt = body.cache_salt or request.headers.get("x-cache-salt") or None
+        if not self.args.api_keys or self.args.share_cache_across_keys:
+            return salt
+        key = request.headers.get("authorization", "").partition(" ")[2].strip()
+        key_id = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+        return f"key:{key_id}" + (f"/{salt}" if salt else "")
+
+    def _check_lengths(self, body: Body, ids: list[int], max_tokens: int) -> None:
+        limit = self.args.max_tokens_limit
+        lowest = 0 if isinstance(body, CompletionRequest) else 1
+        # a chat body's max_tokens is checked even where max_completion_tokens overrides it
+        if not lowest <= max_tokens <= limit or (body.max_tokens or 0) > limit:
+            raise APIError(400, f"max_tokens must be in [{lowest}, {limit}]", param="max_tokens")
+        context = self.args.engine.context_len
+        if len(ids) + max(max_tokens, 1) > context:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {context} tokens; "
+                f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}",
+                code="context_length_exceeded",
+                param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            )
