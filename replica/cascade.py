@@ -84,13 +84,15 @@ def attend(
     scale: float,
 ) -> torch.Tensor:
     """Decode attention with shared prefixes: ``grouped_q`` is ``[decodes, kv_heads, group,
-    dim]`` (query heads folded onto their KV head); returns the same shape, in float32."""
+    dim]`` (query heads folded onto their KV head); returns the same shape, in float32 (in
+    float64 for a float64 model: the merge then runs in float64, like its log-sum-exps)."""
     keys = k_cache[plan.tail_tables].flatten(1, 2).transpose(1, 2)  # [decodes, kv, len, dim]
     values = v_cache[plan.tail_tables].flatten(1, 2).transpose(1, 2)
     invalid = torch.arange(keys.shape[2]).unsqueeze(0) >= plan.tail_lens.unsqueeze(1)
     bias = torch.zeros(invalid.shape, dtype=grouped_q.dtype).masked_fill_(invalid, -torch.inf)
     out, lse = flash(grouped_q, keys, values, bias[:, None, None, :], scale)
-    out = out.float()
+    acc = torch.promote_types(grouped_q.dtype, torch.float32)
+    out = out.to(acc)
     for prefix in plan.shared:
         members = prefix.members
         q = grouped_q[members]  # [n, kv, group, dim]
@@ -99,7 +101,7 @@ def attend(
         values = v_cache[prefix.blocks].flatten(0, 1).transpose(0, 1)
         rows = q.permute(1, 0, 2, 3).reshape(1, kv, n * group, dim)
         p_out, p_lse = flash(rows, keys.unsqueeze(0), values.unsqueeze(0), None, scale)
-        p_out = p_out.float().view(kv, n, group, dim).permute(1, 0, 2, 3)
+        p_out = p_out.to(acc).view(kv, n, group, dim).permute(1, 0, 2, 3)
         p_lse = p_lse.view(kv, n, group).permute(1, 0, 2)
         # slices make these views and in-place updates (the common case: one system prompt)
         out[members], lse[members] = merge(out[members], lse[members], p_out, p_lse, True)

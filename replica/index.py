@@ -55,8 +55,11 @@ class IndexConfig(BaseModel):
     """Where the Redis block index lives and how long anyone waits for it.
 
     ``cluster`` and the model id namespace every key, so several clusters (or models) can
-    share one Redis. Timeouts are short on purpose: the index is advisory, and a slow Redis
-    must never stall an engine step or a routing decision.
+    share one Redis. Reads (``timeout_s``) are short on purpose: the index is advisory, and a
+    slow Redis must never stall a routing decision. A replica's own writes (register,
+    publish, heartbeat) run on its publisher thread, off every request's path, so they wait
+    longer (``write_timeout_s``): on a saturated machine a 50 ms bound failed them again and
+    again, the heartbeat lapsed, and routers dropped a live replica (and its cache).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -65,7 +68,10 @@ class IndexConfig(BaseModel):
     cluster: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$")
     heartbeat_ttl_s: float = Field(3.0, gt=0)
     heartbeat_interval_s: float = Field(0.5, gt=0)
-    timeout_s: float = Field(0.05, gt=0, description="per Redis command")
+    timeout_s: float = Field(0.05, gt=0, description="per Redis read (routing)")
+    write_timeout_s: float = Field(
+        1.0, gt=0, description="per replica write (publisher thread: register, publish, beat)"
+    )
     connect_timeout_s: float = Field(0.05, gt=0)
     retry_after_s: float = Field(1.0, ge=0, description="pause after a failure before retrying")
     max_pending_hashes: int = Field(
@@ -99,17 +105,23 @@ class BlockIndex:
         }
         # no retries: a failure must cost one timeout, and the caller knows what to do next
         self._redis = redis.Redis.from_url(config.url, retry=Retry(NoBackoff(), 0), **options)
+        self._writer = redis.Redis.from_url(
+            config.url,
+            retry=Retry(NoBackoff(), 0),
+            socket_timeout=config.write_timeout_s,
+            socket_connect_timeout=config.write_timeout_s,
+        )
         self._aredis = redis.asyncio.Redis.from_url(
             config.url, retry=AsyncRetry(NoBackoff(), 0), **options
         )
+        self._query = self._redis.register_script(scripts.QUERY)
         self._scripts = {
-            name: self._redis.register_script(src)
+            name: self._writer.register_script(src)
             for name, src in (
                 ("register", scripts.REGISTER),
                 ("deregister", scripts.DEREGISTER),
                 ("heartbeat", scripts.HEARTBEAT),
                 ("publish", scripts.PUBLISH),
-                ("query", scripts.QUERY),
                 ("reap", scripts.REAP),
             )
         }
@@ -193,7 +205,7 @@ class BlockIndex:
         if not self._may_ask():
             return None
         try:
-            flat = self._scripts["query"](args=[self.namespace, *block_hashes])
+            flat = self._query(args=[self.namespace, *block_hashes])
         except redis.RedisError:
             return self._failed()
         return _views(flat)
@@ -242,6 +254,7 @@ class BlockIndex:
 
     def close(self) -> None:
         self._redis.close()
+        self._writer.close()
 
     # -- internals ----------------------------------------------------------------------------
 

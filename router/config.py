@@ -41,7 +41,10 @@ class RoutingConfig(BaseModel):
         512, ge=0, description="prefill_cost: how much dearer the holder may be and keep it"
     )
     new_prefix_slack: float = Field(
-        1.0, ge=0, description="prefill_cost: new prefixes spread within this many prefills"
+        0.0,
+        ge=0,
+        description="prefill_cost: a new prefix may go this many prefills above the cheapest "
+        "(to a smaller cache footprint); 0: the cheapest, footprint breaking ties",
     )
     min_hit_fraction: float = Field(
         0.5, ge=0, le=1, description="prefill_cost: held by no one past this share: new prefix"

@@ -16,7 +16,10 @@ What the peers learned (``shared/notes/routing_peers.md``), in one rule set:
   at least ``min_hit_fraction`` of the prompt (a new tenant shares only a chat template's
   head with the others), it goes to the replica owning the fewest cached blocks among
   those within ``new_prefix_slack`` prefills of the cheapest, so tenants spread over
-  disjoint caches, but never onto a busy replica.
+  disjoint caches, but never onto a busy replica. The default slack is 0 (the cheapest,
+  footprint breaking ties): in the simulator at 32 replicas (multi_tenant, 10,000 tenants)
+  a slack of one prefill bought no hit rate (0.184 against 0.193) and cost TTFT p50 0.55 s
+  against 0.36 s, as new tenants queued behind a busier replica with a smaller cache.
 * **Ties** break in rendezvous order of the prompt's affinity key: two ingress routers
   make the same choice for the same new prefix, and different prefixes spread.
 
@@ -38,7 +41,7 @@ class CostKnobs:
 
     decode_cost_tokens: int = 16
     sticky_budget_tokens: int = 512
-    new_prefix_slack: float = 1.0
+    new_prefix_slack: float = 0.0
     min_hit_fraction: float = 0.5
 
 

@@ -15,9 +15,12 @@ import argparse
 import json
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import httpx
+import redis
 
 from cluster.config import Autoscaling, ClusterArgs
 from cluster.experiments.launcher import ServeCluster
@@ -65,20 +68,42 @@ def phased_trace(phases: list[tuple[float, float]], args: argparse.Namespace) ->
     return trace
 
 
-class ReplicaSampler(threading.Thread):
-    """The index's live replicas, once a second."""
+@dataclass
+class Sample:
+    t: float
+    live: set[str]  # replicas live in the index (registered, heartbeat current)
+    running: int | None  # the engine deployment's replicas Serve reports RUNNING
+    target: int | None  # and the number the autoscaler wants
 
-    def __init__(self, index: BlockIndex) -> None:
+
+class ReplicaSampler(threading.Thread):
+    """Once a second: the index's live replicas and Serve's own view (its REST API)."""
+
+    def __init__(self, index: BlockIndex, dashboard: str) -> None:
         super().__init__(daemon=True)
         self.index = index
-        self.samples: list[tuple[float, set[str]]] = []
+        self.dashboard = dashboard
+        self.samples: list[Sample] = []
         self.stop = threading.Event()
         self.start_time = time.monotonic()
 
     def run(self) -> None:
         while not self.stop.wait(1.0):
-            live = set(self.index.live_replicas())
-            self.samples.append((time.monotonic() - self.start_time, live))
+            try:
+                live = set(self.index.live_replicas())
+            except redis.RedisError:  # a busy machine: this second goes unsampled
+                continue
+            running, target = self._serve_view()
+            self.samples.append(Sample(time.monotonic() - self.start_time, live, running, target))
+
+    def _serve_view(self) -> tuple[int | None, int | None]:
+        try:
+            apps = httpx.get(f"{self.dashboard}/api/serve/applications/", timeout=2).json()
+            engine = apps["applications"]["llm"]["deployments"]["EngineReplica"]
+        except (httpx.HTTPError, KeyError, ValueError):
+            return None, None
+        running = sum(r.get("state") == "RUNNING" for r in engine.get("replicas", []))
+        return running, engine.get("target_num_replicas")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -100,9 +125,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             index=IndexConfig(url=redis_server.url, cluster="autoscale"),
         )
         with ServeCluster(cluster_args) as cluster:
-            index = BlockIndex(cluster_args.index, cluster_args.engine.model_id)
+            # the experiment's own client: patient, unlike the routers' 50 ms
+            patient = cluster_args.index.model_copy(update={"timeout_s": 2.0})
+            index = BlockIndex(patient, cluster_args.engine.model_id)
             initial = set(index.live_replicas())
-            sampler = ReplicaSampler(index)
+            sampler = ReplicaSampler(index, cluster.dashboard_url())
             sampler.start()
             results, _ = drive(cluster.base_url, cluster_args.engine.model_id, trace, 300)
             time.sleep(30)  # the downscale delay passes with no load: back to one replica
@@ -115,7 +142,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "phases": phases,
         "requests": counts(results, len(trace)),
         "initial_replicas": len(initial),
-        "max_live_replicas": max(len(live) for _, live in sampler.samples),
+        "max_live_replicas": max(len(s.live) for s in sampler.samples),
+        "max_serve_replicas": max((s.running or 0) for s in sampler.samples),
         "final_replicas": len(final),
         "windows": windows,
         "conditions": {k: v for k, v in vars(args).items() if k != "out"},
@@ -127,24 +155,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def per_window(
     trace: list[TraceRequest],
     results: list[RequestResult],
-    samples: list[tuple[float, set[str]]],
+    samples: list[Sample],
     initial: set[str],
     window_s: float,
 ) -> list[dict[str, Any]]:
     """Rate, replicas, hit rate, TTFT p50 and the new replicas' share, per arrival window."""
-    end = max([r.arrival_s for r in trace] + [t for t, _ in samples])
+    end = max([r.arrival_s for r in trace] + [s.t for s in samples])
     windows = []
     for w in range(int(end // window_s) + 1):
         lo, hi = w * window_s, (w + 1) * window_s
         pairs = [(q, r) for q, r in zip(trace, results, strict=True) if lo <= q.arrival_s < hi]
         ok = [r for _, r in pairs if r.status == 200]
-        live = [len(s) for t, s in samples if lo <= t < hi]
+        inside = [s for s in samples if lo <= s.t < hi]
+        live = [len(s.live) for s in inside]
+        running = [s.running for s in inside if s.running is not None]
         prompt = sum(r.prompt_tokens for r in ok)
         windows.append(
             {
                 "start_s": lo,
                 "rate": len(pairs) / window_s,
-                "replicas": sum(live) / len(live) if live else None,
+                "replicas": sum(running) / len(running) if running else None,
+                "index_live_replicas": sum(live) / len(live) if live else None,
                 "hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else None,
                 "ttft_p50_s": percentile([r.ttft_s for r in ok if r.ttft_s is not None], 50),
                 "served_by_new_replicas": (
@@ -158,12 +189,13 @@ def per_window(
 
 def markdown(result: dict[str, Any]) -> str:
     rows = [
-        "| window start s | arrivals/s | replicas | hit rate | TTFT p50 s | on new replicas |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| window start s | arrivals/s | replicas (Serve) | live in index | hit rate |"
+        " TTFT p50 s | on new replicas |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for w in result["windows"]:
-        cells = [w["start_s"], w["rate"], w["replicas"], w["hit_rate"], w["ttft_p50_s"]]
-        cells.append(w["served_by_new_replicas"])
+        cells = [w["start_s"], w["rate"], w["replicas"], w["index_live_replicas"]]
+        cells += [w["hit_rate"], w["ttft_p50_s"], w["served_by_new_replicas"]]
         rows.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
     return "\n".join(rows) + "\n"
 
@@ -184,7 +216,14 @@ def plot(path: Path, result: dict[str, Any]) -> None:
     ]
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 8), sharex=True)
     for ax, (key, label) in zip(axes, panels, strict=True):
-        ax.step(x, [w[key] if w[key] is not None else float("nan") for w in windows], where="post")
+        ax.step(
+            x, _series(windows, key), where="post", label="Serve" if key == "replicas" else None
+        )
+        if key == "replicas":
+            ax.step(
+                x, _series(windows, "index_live_replicas"), where="post", label="index", ls="--"
+            )
+            ax.legend(loc="upper right")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("time (s), 10 s windows by arrival")
@@ -200,6 +239,10 @@ def write(out: Path, result: dict[str, Any]) -> None:
     (out / "autoscale.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     (out / "autoscale.md").write_text(markdown(result))
     plot(out / "autoscale.png", result)
+
+
+def _series(windows: list[dict[str, Any]], key: str) -> list[float]:
+    return [w[key] if w[key] is not None else float("nan") for w in windows]
 
 
 def _fmt(value: Any) -> str:

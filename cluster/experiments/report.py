@@ -28,6 +28,14 @@ def summarize(
     per_replica = Counter(r.replica for r in ok if r.replica)
     counts = [per_replica.get(rid, 0) for rid in replica_ids] or [0]
     mean = sum(counts) / len(counts)
+    # the tokens each replica ran (uncached prompt and output): cache hits make requests
+    # unequal, so a prefix router's fair share is in work, not in requests
+    work = Counter()
+    for r in ok:
+        if r.replica:
+            work[r.replica] += r.prompt_tokens - r.cached_tokens + r.completion_tokens
+    works = [work.get(rid, 0) for rid in replica_ids] or [0]
+    mean_work = sum(works) / len(works)
     return {
         "requests_ok": len(ok),
         "requests_failed": len(results) - len(ok),
@@ -43,6 +51,7 @@ def summarize(
         "makespan_s": makespan_s,
         "requests_per_replica": counts,
         "load_imbalance": max(counts) / mean if mean else None,
+        "work_imbalance": max(works) / mean_work if mean_work else None,
         "ttft_samples": sorted(ttft),
     }
 
@@ -86,6 +95,7 @@ _COLUMNS = [
     ("out tok/s", "output_tokens_per_s"),
     ("req/replica", "requests_per_replica"),
     ("max/mean", "load_imbalance"),
+    ("max/mean work", "work_imbalance"),
     ("route p50 ms", "decision_p50_ms"),
     ("route p99 ms", "decision_p99_ms"),
 ]

@@ -139,6 +139,7 @@ def _replica_sweeps(
     for key, label, file in (
         ("hit_rate_engine", "prompt-token hit rate", "hit_rate_vs_replicas.png"),
         ("load_imbalance", "load imbalance (max/mean requests)", "imbalance_vs_replicas.png"),
+        ("work_imbalance", "work imbalance (max/mean tokens run)", "work_vs_replicas.png"),
         ("ttft_p99_s", "TTFT p99 (s)", "ttft_p99_vs_replicas.png"),
         ("ttft_p50_s", "TTFT p50 (s)", "ttft_p50_vs_replicas.png"),
     ):
