@@ -21,6 +21,7 @@ def summarize(
 ) -> dict[str, Any]:
     """Client-side metrics of one policy's run (token-weighted hit rate from usage)."""
     ok = [r for r in results if r.status == 200 and r.error is None]
+    failed = [r for r in results if not (r.status == 200 and r.error is None)]
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
@@ -39,7 +40,7 @@ def summarize(
     return {
         "requests_ok": len(ok),
         "requests_failed": len(results) - len(ok),
-        "errors": sorted({(r.error or str(r.status))[:120] for r in results if r not in ok})[:5],
+        "errors": sorted({(r.error or str(r.status))[:120] for r in failed})[:5],
         "hit_rate_usage": cached / prompt if prompt else 0.0,
         "prompt_tokens": prompt,
         "cached_tokens": cached,
