@@ -49,25 +49,39 @@ class RoutedPrefixes:
         return len(self.routed.get(replica_id, ()))
 
 
-class RayPrefixSim(RoutingPolicy):
-    name = "ray_prefix_sim"
+class _TextTreePolicy(RoutingPolicy):
+    """A router that matches prompts against what it routed (Ray's and SGLang's trees)."""
 
-    def __init__(
-        self, match_rate_threshold: float = 0.1, imbalanced_threshold: float = math.inf
-    ) -> None:
-        self.match_rate_threshold = match_rate_threshold
-        self.imbalanced_threshold = imbalanced_threshold
+    def __init__(self) -> None:
         self.prefixes = RoutedPrefixes()
 
     def on_routed(self, request: RoutingRequest, replica_id: str) -> None:
         self.prefixes.add(request, replica_id)
 
-    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> list[str]:
+    def loads_and_matches(
+        self, request: RoutingRequest, replicas: Sequence[ReplicaState]
+    ) -> tuple[dict[str, int], list[str], dict[str, int]]:
+        """In-flight loads, replicas least loaded first, and each one's matched blocks."""
         loads = {r.replica_id: r.in_flight for r in replicas}
         by_load = sorted(loads, key=lambda rid: (loads[rid], rid))
+        matches = {rid: self.prefixes.match(request, rid) for rid in loads}
+        return loads, by_load, matches
+
+
+class RayPrefixSim(_TextTreePolicy):
+    name = "ray_prefix_sim"
+
+    def __init__(
+        self, match_rate_threshold: float = 0.1, imbalanced_threshold: float = math.inf
+    ) -> None:
+        super().__init__()
+        self.match_rate_threshold = match_rate_threshold
+        self.imbalanced_threshold = imbalanced_threshold
+
+    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> list[str]:
+        loads, by_load, matches = self.loads_and_matches(request, replicas)
         if max(loads.values()) - min(loads.values()) > self.imbalanced_threshold:
             return by_load
-        matches = {rid: self.prefixes.match(request, rid) for rid in loads}
         best = max(matches.values())
         rate = best * request.block_size / max(request.num_prompt_tokens, 1)
         if best and rate >= self.match_rate_threshold:
@@ -76,24 +90,19 @@ class RayPrefixSim(RoutingPolicy):
         return [rid for rid in by_load if self.prefixes.size(rid) == smallest]
 
 
-class SGLangCacheAware(RoutingPolicy):
+class SGLangCacheAware(_TextTreePolicy):
     name = "sglang_cache_aware"
 
     def __init__(
         self, cache_threshold: float = 0.5, balance_abs: int = 32, balance_rel: float = 1.1
     ) -> None:
+        super().__init__()
         self.cache_threshold = cache_threshold
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
-        self.prefixes = RoutedPrefixes()
-
-    def on_routed(self, request: RoutingRequest, replica_id: str) -> None:
-        self.prefixes.add(request, replica_id)
 
     def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> list[str]:
-        loads = {r.replica_id: r.in_flight for r in replicas}
-        by_load = sorted(loads, key=lambda rid: (loads[rid], rid))
-        matches = {rid: self.prefixes.match(request, rid) for rid in loads}
+        loads, by_load, matches = self.loads_and_matches(request, replicas)
         best = max(matches.values())
         rate = best * request.block_size / max(request.num_prompt_tokens, 1)
         if not best or rate <= self.cache_threshold:
