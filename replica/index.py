@@ -9,13 +9,17 @@ all keys of a namespace share one slot; two clusters or models never share a key
                                   and equals its registered epoch
     {ns}:b:<hash>          SET    replica ids holding the block (hash = 16 raw bytes)
     {ns}:r:<replica>       SET    block hashes the replica holds (to purge without a scan)
+    {ns}:fp                HASH   replica id -> how many blocks it holds (its footprint)
     {ns}:stats:<replica>   STRING the replica's engine counters (JSON), refreshed with the
                                   heartbeat, for experiments and operators
-    {ns}:pr:<replica>      ZSET   block hashes routers recently sent there (predicted to be
-                                  held soon) -> expiry (ms, Redis clock)
+    {ns}:pb:<hash>         ZSET   replica ids routers recently sent the block to (predicted
+                                  to hold it soon) -> expiry (ms, Redis clock)
+    {ns}:pr:<replica>      ZSET   the same predictions by replica (for a purge to find them)
     {ns}:bk:<replica>      ZSET   requests routed there and not finished -> expiry
     {ns}:bt:<replica>      HASH   request -> "prefill tokens:decode blocks" it was booked with
-    {ns}:load:<replica>    HASH   prefill / active / decode: the sums of those bookings
+    {ns}:loads             HASH   "<replica>:prefill" / ":active" / ":decode": the sums of
+                                  each replica's bookings
+    {ns}:reaping           STRING set while one caller reaps expired replicas
 
 Routers book every request they route (``book``), mark its prompt computed at its first
 token (``prefill_done``) and release it when it ends (``release``), so every ingress sees the
@@ -27,8 +31,11 @@ keyed (``replica.hashing``), so reading Redis does not tell whether a guessed pr
 
 Every operation is one round trip (one Lua script), and every script that writes a replica's
 blocks first checks the caller's epoch, so a replica that was replaced (a new epoch) cannot
-write stale entries. Failures never raise out of the query path: ``query`` returns None
-("unknown") and stops asking Redis for ``retry_after_s`` after a failure (a circuit breaker).
+write stale entries. A query walks the prompt's chain block by block (each block's holders
+in its own set) and reads the footprints and loads from one hash each, so its cost follows
+the holders of the matched blocks, not the number of replicas. Failures never raise out of
+the query path: ``query`` returns None ("unknown") and stops asking Redis for
+``retry_after_s`` after a failure (a circuit breaker).
 """
 
 from __future__ import annotations
@@ -174,9 +181,10 @@ class BlockIndex:
             raise StaleEpochError(f"{replica_id} is not registered with epoch {epoch}")
         return n
 
-    def reap(self) -> int:
-        """Purge every replica whose heartbeat expired; returns how many were purged."""
-        return int(self._run("reap"))
+    def reap(self, min_interval_s: float = 0.0) -> int:
+        """Purge every replica whose heartbeat expired; returns how many were purged (-1:
+        another caller reaped less than ``min_interval_s`` ago, so this one did nothing)."""
+        return int(self._run("reap", int(min_interval_s * 1000)))
 
     def replica_blocks(self, replica_id: str) -> set[bytes]:
         return set(self._redis.smembers(f"{self.namespace}:r:{replica_id}"))

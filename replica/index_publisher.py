@@ -132,7 +132,8 @@ class IndexPublisher:
                     self._heartbeat()
                     beats += 1
                     if beats % _REAP_EVERY == 0:
-                        self.index.reap()
+                        # one reap per TTL for the whole cluster, whoever gets there first
+                        self.index.reap(min_interval_s=cfg.heartbeat_ttl_s)
             except redis.RedisError as exc:
                 with self._cond:
                     self.counters.failures += 1

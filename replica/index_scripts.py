@@ -4,15 +4,19 @@ Key layout and semantics are documented in ``replica.index``. Every script that 
 replica's blocks first checks the caller's epoch, so a replaced replica cannot write.
 """
 
-# Shared by the scripts: drop everything of replica ``rid``: its blocks, stats, bookings
-# and predicted blocks.
+# Shared by the scripts: drop everything of replica ``rid``: its blocks, predicted blocks,
+# footprint, stats, bookings and load.
 PURGE = """
 local function purge(ns, rid)
-  local rkey = ns .. ':r:' .. rid
+  local rkey, pr = ns .. ':r:' .. rid, ns .. ':pr:' .. rid
   local blocks = redis.call('SMEMBERS', rkey)
   for _, h in ipairs(blocks) do redis.call('SREM', ns .. ':b:' .. h, rid) end
-  redis.call('DEL', rkey, ns .. ':stats:' .. rid, ns .. ':pr:' .. rid, ns .. ':bk:' .. rid,
-             ns .. ':bt:' .. rid, ns .. ':load:' .. rid)
+  for _, h in ipairs(redis.call('ZRANGE', pr, 0, -1)) do
+    redis.call('ZREM', ns .. ':pb:' .. h, rid)
+  end
+  redis.call('DEL', rkey, pr, ns .. ':stats:' .. rid, ns .. ':bk:' .. rid, ns .. ':bt:' .. rid)
+  redis.call('HDEL', ns .. ':fp', rid)
+  redis.call('HDEL', ns .. ':loads', rid .. ':prefill', rid .. ':active', rid .. ':decode')
   return #blocks
 end
 """
@@ -25,23 +29,50 @@ local function now_ms()
 end
 """
 
-# Shared: add to a replica's totals (Redis refuses "-0" as an integer: zero is skipped), and
-# take a booking off them (``fields`` = "prefill:decode").
+# Shared: add to a replica's totals in the one loads hash (Redis refuses "-0" as an
+# integer: zero is skipped), and take a booking off them (``fields`` = "prefill:decode").
 UNBOOK = """
-local function add(load, field, n)
-  if n ~= 0 then redis.call('HINCRBY', load, field, string.format('%d', n)) end
+local function add(ns, rep, field, n)
+  if n ~= 0 then
+    redis.call('HINCRBY', ns .. ':loads', rep .. ':' .. field, string.format('%d', n))
+  end
 end
 local function unbook(ns, rep, req)
-  local bt, load = ns .. ':bt:' .. rep, ns .. ':load:' .. rep
+  local bt = ns .. ':bt:' .. rep
   local fields = redis.call('HGET', bt, req)
   if not fields then return 0 end
   local sep = string.find(fields, ':')
-  add(load, 'prefill', -tonumber(string.sub(fields, 1, sep - 1)))
-  add(load, 'decode', -tonumber(string.sub(fields, sep + 1)))
-  add(load, 'active', -1)
+  add(ns, rep, 'prefill', -tonumber(string.sub(fields, 1, sep - 1)))
+  add(ns, rep, 'decode', -tonumber(string.sub(fields, sep + 1)))
+  add(ns, rep, 'active', -1)
   redis.call('HDEL', bt, req)
   redis.call('ZREM', ns .. ':bk:' .. rep, req)
   return 1
+end
+"""
+
+# Shared: the registered replicas whose heartbeat is current, as a set (one MGET, in
+# chunks that stay far below Lua's stack limit for unpack).
+LIVE = """
+local function live_replicas(ns)
+  local reg = redis.call('HGETALL', ns .. ':replicas')
+  local live, order = {}, {}
+  for first = 1, #reg, 2000 do
+    local last = math.min(first + 1999, #reg)
+    local keys = {}
+    for i = first, last, 2 do keys[#keys + 1] = ns .. ':hb:' .. reg[i] end
+    local beats = redis.call('MGET', unpack(keys))
+    for j, beat in ipairs(beats) do
+      local i = first + 2 * (j - 1)
+      if beat == reg[i + 1] then
+        live[reg[i]] = true
+        order[#order + 1] = reg[i]
+      else
+        live[reg[i]] = false
+      end
+    end
+  end
+  return live, order
 end
 """
 
@@ -100,57 +131,71 @@ for i = 6 + n_stored, #ARGV do
   redis.call('SREM', ns .. ':b:' .. ARGV[i], rid)
   redis.call('SREM', rkey, ARGV[i])
 end
-return redis.call('SCARD', rkey)
+local footprint = redis.call('SCARD', rkey)
+redis.call('HSET', ns .. ':fp', rid, footprint)
+return footprint
 """
 )
 
-# ARGV: ns, hashes... Returns {rid, length, ...} for every live replica, where length is the
-# number of leading hashes it holds (stopping at its first miss). Each replica's own block set
-# is probed with SMISMEMBER in chunks that grow, so a short match costs one small call.
+# ARGV: ns, hashes... For every live replica: rid, leading hashes it holds (published,
+# stopping at its first miss), leading hashes predicted there (booked by a router, not
+# expired), its footprint (blocks held), and its booked prefill tokens, active requests and
+# decode blocks. Block-major: the chain is walked once, each block's holders read from its
+# own set, and the walk stops where no live replica continues, so a query costs the holders
+# of the prompt's matched blocks plus a few whole-hash reads, not a few calls per replica
+# (that grew to 43 ms of Redis time per query at 1,024 replicas).
 QUERY = (
     NOW
+    + LIVE
     + """
 local ns = ARGV[1]
-local n = #ARGV - 1
 local now = now_ms()
-local reg = redis.call('HGETALL', ns .. ':replicas')
-local flat = {}
-local function run_of(key, is_set)
-  local held, first, size = 0, 1, 8
-  while first <= n do
-    local last = math.min(first + size - 1, n)
-    local found
-    if is_set then
-      found = redis.call('SMISMEMBER', key, unpack(ARGV, first + 1, last + 1))
-    else
-      found = redis.call('ZMSCORE', key, unpack(ARGV, first + 1, last + 1))
-    end
-    local run = 0
-    while run < #found do
-      local f = found[run + 1]
-      if is_set then
-        if f ~= 1 then break end
-      elseif not f or tonumber(f) <= now then break end
-      run = run + 1
-    end
-    held = held + run
-    if run < #found then break end
-    first, size = last + 1, math.min(size * 4, 1024)
+local live, order = live_replicas(ns)
+-- published runs: the replicas holding every block so far are intersected with the next
+-- block's holders in Redis (in C: SINTERCARD counts without copying, the common case when
+-- every holder continues; SINTERSTORE and SDIFF only where some drop out), and Lua names
+-- each replica once, at the block where it drops out
+local held, cur, nxt = {}, ns .. ':q:a', ns .. ':q:b'
+local size = #ARGV >= 2 and redis.call('SUNIONSTORE', cur, ns .. ':b:' .. ARGV[2]) or 0
+local i = 1
+while size > 0 do
+  local block = ARGV[i + 2] and ns .. ':b:' .. ARGV[i + 2]
+  local stay = block and redis.call('SINTERCARD', 2, cur, block) or 0
+  if stay < size then  -- some hold exactly blocks 1..i
+    if stay > 0 then redis.call('SINTERSTORE', nxt, cur, block) end
+    local gone = stay == 0 and redis.call('SMEMBERS', cur) or redis.call('SDIFF', cur, nxt)
+    for _, rid in ipairs(gone) do held[rid] = i end
+    cur, nxt = nxt, cur
   end
-  return held
+  size, i = stay, i + 1
 end
-for i = 1, #reg, 2 do
-  local rid = reg[i]
-  if redis.call('GET', ns .. ':hb:' .. rid) == reg[i + 1] then
-    local load = redis.call('HMGET', ns .. ':load:' .. rid, 'prefill', 'active', 'decode')
-    flat[#flat + 1] = rid
-    flat[#flat + 1] = run_of(ns .. ':r:' .. rid, true)
-    flat[#flat + 1] = run_of(ns .. ':pr:' .. rid, false)
-    flat[#flat + 1] = redis.call('SCARD', ns .. ':r:' .. rid)
-    flat[#flat + 1] = tonumber(load[1] or 0)
-    flat[#flat + 1] = tonumber(load[2] or 0)
-    flat[#flat + 1] = tonumber(load[3] or 0)
+redis.call('DEL', ns .. ':q:a', ns .. ':q:b')
+-- predicted runs: few replicas per block (those routers just sent it to): walked in Lua
+local predicted, alive = {}, nil
+for i = 2, #ARGV do
+  local next_alive, any = {}, false
+  for _, rid in ipairs(redis.call('ZRANGEBYSCORE', ns .. ':pb:' .. ARGV[i], '(' .. now, '+inf')) do
+    if alive == nil or alive[rid] then next_alive[rid], predicted[rid], any = true, i - 1, true end
   end
+  if not any then break end
+  alive = next_alive
+end
+local function as_map(flat)
+  local m = {}
+  for i = 1, #flat, 2 do m[flat[i]] = tonumber(flat[i + 1]) end
+  return m
+end
+local fp = as_map(redis.call('HGETALL', ns .. ':fp'))
+local loads = as_map(redis.call('HGETALL', ns .. ':loads'))
+local flat = {}
+for _, rid in ipairs(order) do
+  flat[#flat + 1] = rid
+  flat[#flat + 1] = held[rid] or 0
+  flat[#flat + 1] = predicted[rid] or 0
+  flat[#flat + 1] = fp[rid] or 0
+  flat[#flat + 1] = loads[rid .. ':prefill'] or 0
+  flat[#flat + 1] = loads[rid .. ':active'] or 0
+  flat[#flat + 1] = loads[rid .. ':decode'] or 0
 end
 return flat
 """
@@ -166,18 +211,26 @@ BOOK = (
     + """
 local ns, rep, req = ARGV[1], ARGV[2], ARGV[3]
 local now = now_ms()
-local bk, pr = ns .. ':bk:' .. rep, ns .. ':pr:' .. rep
+local bk = ns .. ':bk:' .. rep
 for _, old in ipairs(redis.call('ZRANGEBYSCORE', bk, '-inf', now)) do unbook(ns, rep, old) end
 unbook(ns, rep, req)
 redis.call('ZADD', bk, now + tonumber(ARGV[6]), req)
 redis.call('HSET', ns .. ':bt:' .. rep, req, ARGV[4] .. ':' .. ARGV[5])
-local load = ns .. ':load:' .. rep
-add(load, 'prefill', tonumber(ARGV[4]))
-add(load, 'decode', tonumber(ARGV[5]))
-add(load, 'active', 1)
+add(ns, rep, 'prefill', tonumber(ARGV[4]))
+add(ns, rep, 'decode', tonumber(ARGV[5]))
+add(ns, rep, 'active', 1)
+-- each block's predicted holders, by expiry; a block's key lives no longer than its newest
+-- prediction, so expired members go with it unless a router keeps predicting the block.
+-- The replica's own list of what was predicted there lets a purge find them.
+local ttl, pr = tonumber(ARGV[7]), ns .. ':pr:' .. rep
 redis.call('ZREMRANGEBYSCORE', pr, '-inf', now)
-local expiry = now + tonumber(ARGV[7])
-for i = 8, #ARGV do redis.call('ZADD', pr, expiry, ARGV[i]) end
+for i = 8, #ARGV do
+  local pb = ns .. ':pb:' .. ARGV[i]
+  redis.call('ZADD', pb, now + ttl, rep)
+  redis.call('PEXPIRE', pb, ttl)
+  redis.call('ZADD', pr, now + ttl, ARGV[i])
+end
+if #ARGV >= 8 then redis.call('PEXPIRE', pr, ttl) end
 return 1
 """
 )
@@ -191,7 +244,7 @@ local bt = ns .. ':bt:' .. rep
 local fields = redis.call('HGET', bt, req)
 if not fields then return 0 end
 local sep = string.find(fields, ':')
-add(ns .. ':load:' .. rep, 'prefill', -tonumber(string.sub(fields, 1, sep - 1)))
+add(ns, rep, 'prefill', -tonumber(string.sub(fields, 1, sep - 1)))
 redis.call('HSET', bt, req, '0' .. string.sub(fields, sep))
 return 1
 """
@@ -206,17 +259,24 @@ return unbook(ARGV[1], ARGV[2], ARGV[3])
 )
 
 
-# ARGV: ns. Purges and forgets every registered replica whose heartbeat has expired.
+# ARGV: ns, min interval ms (0: always). Purges and forgets every registered replica whose
+# heartbeat has expired. Every replica calls this now and then; with an interval, at most
+# one call per interval does the work for the whole cluster (the others return -1), so
+# reaping costs O(replicas) per interval, not per replica.
 REAP = (
     PURGE
+    + LIVE
     + """
-local ns = ARGV[1]
-local reg = redis.call('HGETALL', ns .. ':replicas')
+local ns, interval = ARGV[1], tonumber(ARGV[2])
+if interval > 0 and not redis.call('SET', ns .. ':reaping', '1', 'PX', interval, 'NX') then
+  return -1
+end
+local live = live_replicas(ns)
 local reaped = 0
-for i = 1, #reg, 2 do
-  if redis.call('GET', ns .. ':hb:' .. reg[i]) ~= reg[i + 1] then
-    purge(ns, reg[i])
-    redis.call('HDEL', ns .. ':replicas', reg[i])
+for rid, alive in pairs(live) do
+  if not alive then
+    purge(ns, rid)
+    redis.call('HDEL', ns .. ':replicas', rid)
     reaped = reaped + 1
   end
 end

@@ -49,15 +49,31 @@ def _timed(client: redis.Redis, repeats: int, op: Any) -> dict[str, float]:
     }
 
 
-def _fill(index: BlockIndex, n: int, blocks: int, chain: list[bytes]) -> None:
-    """Register ``n`` replicas; replica r holds a share of ``chain`` growing with r, and
-    unrelated blocks up to ``blocks``."""
+# The prompts queried, and who holds them (every replica also holds unrelated blocks up
+# to ``blocks_per_replica``):
+# * ``tenant``: a tenant's 64-block prompt, held whole by two replicas, its first 2 blocks
+#   (a chat template's head) by every replica: the common case of a multi-tenant cluster.
+# * ``global``: a 64-block prompt whose first 37 blocks (a 600-token system prompt every
+#   tenant shares) every replica holds, the rest two replicas: a prompt hot everywhere.
+# * ``staircase``: replica r holds the first r/N of a 64-block prompt: every replica holds a
+#   different length of one prompt, the most work a query can meet.
+LAYOUTS = ("tenant", "global", "staircase")
+
+
+def _held(layout: str, r: int, n: int, chain: list[bytes]) -> list[bytes]:
+    if layout == "staircase":
+        return chain[: len(chain) * r // n]
+    shared = 2 if layout == "tenant" else 37
+    return chain if r < 2 else chain[:shared]
+
+
+def _fill(index: BlockIndex, n: int, blocks: int, held: Any) -> None:
+    """Register ``n`` replicas, replica r holding ``held(r)`` and unrelated blocks."""
     for r in range(n):
         rid = f"replica-{r}"
         index.register(rid, "epoch-1")
-        held = chain[: len(chain) * r // n]
-        filler = [os.urandom(16) for _ in range(blocks - len(held))]
-        batch = held + filler
+        mine = held(r)
+        batch = mine + [os.urandom(16) for _ in range(blocks - len(mine))]
         for i in range(0, len(batch), 512):
             index.publish(rid, "epoch-1", batch[i : i + 512])
 
@@ -69,22 +85,36 @@ def measure_scale(url: str, n: int, args: Any) -> dict[str, Any]:
     )
     index = BlockIndex(config, "bench-model")
     client = redis.Redis.from_url(url)
-    chain = BlockHasher(args.block_size, "bench-model").chain(list(range(args.prompt_tokens // 4)))
+    hasher = BlockHasher(args.block_size, "bench-model")
+    chains = {
+        layout: hasher.chain([k * 7 + 1] * 4 + list(range(64 * args.block_size - 4)))
+        for k, layout in enumerate(LAYOUTS)
+    }
+    for layout in ("global", "tenant"):  # the same head: the chat template's first blocks
+        chains[layout] = chains["global"][:2] + chains[layout][2:]
     mem_before = client.info("memory")["used_memory"]
-    _fill(index, n, args.blocks_per_replica, chain)
+    _fill(
+        index,
+        n,
+        args.blocks_per_replica,
+        lambda r: sorted({h for lay in LAYOUTS for h in _held(lay, r, n, chains[lay])}),
+    )
     memory = client.info("memory")["used_memory"] - mem_before
     queries = max(20, min(args.queries, 20_000 // n))
-    query = _timed(client, queries, lambda: index.query(chain))
+    query = {
+        layout: _timed(client, queries, lambda c=chains[layout]: index.query(c))
+        for layout in LAYOUTS
+    }
     beat = _timed(client, 200, lambda: index.heartbeat("replica-0", "epoch-1", {"x": 1}))
     publish = _timed(client, 200, lambda: index.publish("replica-1", "epoch-1", [os.urandom(16)]))
-    booking = Booking("replica-0", "req", 512, 4, tuple(chain[:8]))
+    booking = Booking("replica-0", "req", 512, 4, tuple(chains["tenant"]))
     loop = asyncio.new_event_loop()  # one loop: the async client's connections live on it
     route = _timed(client, 100, lambda: loop.run_until_complete(_book_cycle(index, booking)))
     loop.close()
     for r in range(n):
         index.deregister(f"replica-{r}", "epoch-1")
     index.close()
-    per_request_us = query["redis_us"] + route["redis_us"]
+    per_request_us = query["tenant"]["redis_us"] + route["redis_us"]
     beats_per_s = n / config.heartbeat_interval_s
     return {
         "replicas": n,
@@ -96,7 +126,7 @@ def measure_scale(url: str, n: int, args: Any) -> dict[str, Any]:
         "heartbeat": beat,
         "publish_one_block": publish,
         "redis_ops_per_request": 4,  # query, book, prefill_done, release: one script each
-        "redis_commands_per_request": query["redis_commands"] + route["redis_commands"],
+        "redis_commands_per_request": query["tenant"]["redis_commands"] + route["redis_commands"],
         "heartbeats_per_s": beats_per_s,
         "heartbeat_share_of_redis": beats_per_s * beat["redis_us"] / 1e6,
         "max_routed_requests_per_s": 1e6 / per_request_us if per_request_us else None,
