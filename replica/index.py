@@ -29,6 +29,10 @@ followers of a new prompt find it before the replica has published anything.
 Only hashes are stored, never tokens or text; with a cluster secret the hashes themselves are
 keyed (``replica.hashing``), so reading Redis does not tell whether a guessed prompt is cached.
 
+Longer than 300 lines because the key layout above is one contract: the replica's writes
+(register, publish, heartbeat, purge) and the routers' reads and bookings are kept side by
+side so a change to a key is made in both at once (the Lua itself is in ``index_scripts``).
+
 Every operation is one round trip (one Lua script), and every script that writes a replica's
 blocks first checks the caller's epoch, so a replica that was replaced (a new epoch) cannot
 write stale entries. A query walks the prompt's chain block by block (each block's holders

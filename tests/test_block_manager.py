@@ -8,6 +8,7 @@ import replica.hashing
 from replica.block_allocator import BlockAllocator, OutOfBlocksError
 from replica.block_manager import BlockManager
 from replica.hashing import BlockHasher
+from replica.prefix_cache import CacheEvents
 from replica.sampling_params import SamplingParams
 from replica.sequence import Sequence
 
@@ -41,9 +42,9 @@ def test_allocator_ref_counts_and_atomic_failure() -> None:
     assert alloc.num_free == 1
     alloc.free(1)
     alloc.free(1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="freed more often than held"):
         alloc.free(1)  # never below zero
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="block 1 is free"):
         alloc.share(1)  # a free block holds nothing to share
     assert alloc.ref_counts == [1, 0, 1, 0]
     assert alloc.blocks_needed(0) == 0
@@ -136,8 +137,19 @@ def test_a_failed_admission_leaves_every_ref_count_untouched() -> None:
 
 def test_salted_namespaces_never_share() -> None:
     bm = manager(num_blocks=16)
+    cache = bm.prefix_cache
+    assert cache is not None
     tokens = list(range(9))
-    run_prefill(bm, seq(tokens, "t1", salt="tenant-1"))
+    t1 = seq(tokens, "t1", salt="tenant-1")
+    run_prefill(bm, t1)
+    # published under the salted chain: what the index stores and the router computes
+    salted = bm.hasher.chain(tokens, "tenant-1")
+    assert t1.block_hashes == salted and salted != bm.hasher.chain(tokens)
+    events = cache.drain_events()
+    assert events is not None and set(events.stored) == set(salted)
+    assert cache.lookup(tokens, cache_salt="tenant-1") == t1.block_table[:2]
+    assert bm.cached_prefix_tokens(seq(tokens, "probe", salt="tenant-1")) == 8
+    assert bm.cached_prefix_tokens(seq(tokens, "probe", salt="tenant-2")) == 0
     assert bm.admit(seq(tokens, "t2", salt="tenant-2"), 10_000) == 9
     assert bm.admit(seq(tokens, "unsalted"), 10_000) == 9
     assert bm.admit(seq(tokens, "t1-again", salt="tenant-1"), 10_000) == 1
@@ -218,3 +230,92 @@ def test_events_report_stored_and_removed_hashes_once() -> None:
     assert events is not None
     assert set(events.removed) == set(hashes)
     assert cache.cached_hashes().isdisjoint(hashes)
+
+
+def test_a_hit_needs_its_parent_to_be_the_block_matched_just_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The parent check, reached: with every hash equal, block 1 of ``[C|B|t]`` finds a cached
+    block holding exactly its tokens (``B``), but that block continues ``A``, not ``C``.
+    Equal tokens are not enough: taking it would hand this request the keys and values of
+    another sequence's context (``B`` attended over ``A``). It must stop after ``C``."""
+    monkeypatch.setattr(replica.hashing, "_digest", lambda data, key: b"\x00" * 16)
+    bm = manager()
+    cache = bm.prefix_cache
+    assert cache is not None
+    a, b, c, d = [1] * BS, [2] * BS, [3] * BS, [4] * BS
+    ab = seq([*a, *b, 9], "ab")
+    run_prefill(bm, ab)
+    cd = seq([*c, *d, 9], "cd")
+    run_prefill(bm, cd)
+    assert ab.block_table == [0, 1, 2] and cd.block_table == [3, 4, 5]
+    mismatches = cache.num_hash_mismatches  # cd's own lookup already missed on A's block
+    assert cache.lookup([*c, *b, 9]) == [3]  # not [0, 1] (ab's), not [3, 1] (a spliced chain)
+    assert cache.num_hash_mismatches == mismatches + 1
+    cb = seq([*c, *b, 9], "cb")
+    assert bm.admit(cb, 10_000) == BS + 1  # B and the tail are computed, over cd's C
+    assert cb.block_table == [3, 6, 7]
+    assert bm.allocator.ref_counts == [1, 1, 1, 2, 1, 1, 1, 1]
+
+
+def test_a_fork_shares_full_blocks_and_copies_the_partial_one_if_a_block_is_left() -> None:
+    """Another choice of the same request (``n`` > 1) shares the parent's full blocks and
+    gets its own copy of the partial last block, copied before the next forward pass. The
+    copy needs exactly one available block; without one the fork is refused, changing
+    nothing. A parent without a partial block needs none."""
+    bm = manager(num_blocks=4)
+    parent = seq(list(range(6)), "p")  # block 0 full, block 1 holds 2 tokens
+    run_prefill(bm, parent)
+    run_prefill(bm, seq([50, 51, 52], "other"))  # block 2: one block is left
+    assert parent.block_table == [0, 1] and bm.allocator.num_available == 1
+    child = seq(list(range(6)), "p#1")
+    assert bm.fork(parent, child)
+    assert child.block_table == [0, 3] and child.num_computed_tokens == 6
+    assert bm.take_copies() == [(1, 3)] and bm.take_copies() == []
+    assert bm.allocator.ref_counts == [2, 1, 1, 1]
+    refused = seq(list(range(6)), "p#2")
+    assert not bm.fork(parent, refused)
+    assert refused.block_table == [] and bm.take_copies() == []
+    assert bm.allocator.ref_counts == [2, 1, 1, 1]
+    whole = seq(list(range(8)), "w")  # ends on a block boundary: nothing to copy
+    bm.release(child)
+    run_prefill(bm, whole)
+    assert whole.block_table == [0, 3] and bm.allocator.num_available == 0
+    twin = seq(list(range(8)), "w#1")
+    assert bm.fork(whole, twin)
+    assert twin.block_table == [0, 3] and bm.take_copies() == []
+
+
+def test_a_reset_is_reported_once_as_cleared() -> None:
+    """``CacheEvents.cleared`` is True in the one batch after a reset, False after it."""
+    bm = manager()
+    cache = bm.prefix_cache
+    assert cache is not None
+    s = seq(list(range(5)), "s")
+    run_prefill(bm, s)
+    bm.release(s)
+    assert cache.drain_events() == CacheEvents(stored=(s.block_hashes[0],), removed=())
+    assert bm.reset_prefix_cache()
+    assert cache.drain_events() == CacheEvents(stored=(), removed=(), cleared=True)
+    again = seq(list(range(5)), "again")
+    assert bm.admit(again, 10_000) == 5  # nothing cached any more
+    assert cache.drain_events() == CacheEvents(
+        stored=(again.block_hashes[0],), removed=(), cleared=False
+    )
+
+
+def test_a_released_sequence_holds_nothing_and_a_fork_of_it_gets_nothing() -> None:
+    """Release (finish, abort, preemption) empties a sequence's table and its counts: it has
+    computed and published nothing any more. Choices fork from a parent that may have been
+    preempted in the step that sampled its first token; the child then starts empty too
+    (both recompute, from whatever the cache still holds)."""
+    bm = manager()
+    parent = seq(list(range(6)), "p")
+    run_prefill(bm, parent)
+    bm.release(parent)
+    assert parent.block_table == []
+    assert parent.num_computed_tokens == 0 and parent.num_published_blocks == 0
+    child = seq(list(range(6)), "p#1")
+    assert bm.fork(parent, child)
+    assert child.block_table == [] and child.num_computed_tokens == 0
+    assert bm.take_copies() == [] and bm.allocator.num_in_use == 0

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 import replica.hashing
+from replica.cpu import DTYPES
 from replica.engine import Engine, EngineConfig, InvalidRequestError, SamplingParams
 from replica.hf_checkpoint import hf_config
 from replica.model import LlamaForCausalLM
+from replica.outputs import Runner
+from replica.scheduler import ScheduledBatch
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
@@ -200,6 +205,15 @@ def test_events_let_an_observer_track_the_cached_set_exactly() -> None:
     assert view == set() == engine.cached_block_hashes()
 
 
+def test_the_default_model_has_the_documented_size_and_seeded_weights() -> None:
+    """README: 5,772,544 parameters with seeded random weights: the same seed gives the same
+    weights (and outputs) in any engine, another seed other weights."""
+    a, b, c = (Engine(EngineConfig(seed=seed)) for seed in (0, 0, 1))
+    assert a.runner.num_parameters == 5_772_544
+    weights = [r.runner.model.model.embed_tokens.weight for r in (a, b, c)]
+    assert torch.equal(weights[0], weights[1]) and not torch.equal(weights[0], weights[2])
+
+
 def test_weights_load_from_a_hugging_face_folder(tmp_path) -> None:
     source = Engine(EngineConfig(seed=42))
     model: LlamaForCausalLM = source.runner.model
@@ -269,3 +283,94 @@ def test_extreme_sampling_parameters_never_break_a_step() -> None:
     wild = SamplingParams(max_tokens=6, temperature=2.0, top_p=1e-300, seed=2**90)
     assert engine.generate([prompt], wild)[0].token_ids == greedy  # top_p keeps the top token
     engine.check_invariants()
+
+
+class LogitsRecorder:
+    """Stands between an engine and its model: keeps, per request, the logits row each of its
+    tokens was sampled from (as float64), and passes everything through unchanged."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        self.rows: dict[str, list[torch.Tensor]] = {}
+
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        logits = self.runner.execute(batch)
+        row = 0
+        for seq, num_rows, sample in zip(batch.seqs, batch.logit_rows, batch.samples, strict=True):
+            row += num_rows  # a sequence's sampled row is its last
+            if sample:
+                self.rows.setdefault(seq.request_id, []).append(logits[row - 1].double())
+        return logits
+
+
+DTYPE_PROMPTS = shared_prefix_prompts(6, seed=7)
+DTYPE_PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
+Run = tuple[list[list[int]], list[list[torch.Tensor]]]  # tokens, and logits rows, per prompt
+
+
+@functools.cache
+def dtype_run(dtype: str, cache: bool) -> Run:
+    """Greedy tokens and the logits behind them, for ``DTYPE_PROMPTS`` in one dtype."""
+    engine = Engine(EngineConfig(dtype=dtype, enable_prefix_cache=cache))
+    # the dtype is really used: weights and the paged KV cache are held in it
+    assert {p.dtype for p in engine.runner.model.parameters()} == {DTYPES[dtype]}
+    assert engine.runner.kv_cache.k[0].dtype == DTYPES[dtype]
+    recorder = LogitsRecorder(engine.runner)
+    engine.runner = recorder
+    outs = engine.generate(DTYPE_PROMPTS, DTYPE_PARAMS)
+    assert (engine.stats().cached_prompt_tokens > 0) is cache  # the prompts share blocks
+    return [o.token_ids for o in outs], [recorder.rows[o.request_id] for o in outs]
+
+
+def comparable_rows(a: Run, b: Run) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Pairs of logits rows of the same prompt and step, while both runs had generated the
+    same tokens before it (after a greedy choice differs, the contexts differ too)."""
+    pairs = []
+    for tokens_a, rows_a, tokens_b, rows_b in zip(*a, *b, strict=True):
+        for step, (row_a, row_b) in enumerate(zip(rows_a, rows_b, strict=True)):
+            if tokens_a[:step] != tokens_b[:step]:
+                break
+            pairs.append((row_a, row_b))
+    return pairs
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_float64_gives_float32s_greedy_tokens_with_the_cache_on_and_off() -> None:
+    """``dtype: float64`` runs the model in float64 (its logits differ from float32's in the
+    last bits, so it is not float32 under another name) and gives float32's greedy tokens,
+    with the prefix cache on and off alike."""
+    reference = dtype_run("float32", False)
+    for cache in (False, True):
+        assert dtype_run("float32", cache)[0] == reference[0]
+        run = dtype_run("float64", cache)
+        assert run[0] == reference[0]
+        pairs = comparable_rows(run, reference)
+        assert len(pairs) == len(DTYPE_PROMPTS) * DTYPE_PARAMS.max_tokens
+        worst = max(float((a - b).abs().max()) for a, b in pairs)
+        assert 0 < worst < 1e-3
+
+
+BFLOAT16_TOLERANCE = 0.2  # relative L2 error of a logits row; measured up to 0.096
+
+
+def test_bfloat16_logits_stay_within_a_tolerance_of_float32_with_the_cache_on_and_off() -> None:
+    """``dtype: bfloat16`` holds 8 significant bits, so its rounding flips near-ties between
+    top tokens: its greedy tokens are not float32's, nor equal with the cache on and off
+    (the cached keys and values were computed in another batch). What holds is the logits:
+    every row stays within ``BFLOAT16_TOLERANCE`` (relative L2) of float32's at the same
+    context, and cache on within it of cache off. A wrong hit would not: the logits of two
+    different prompts are ~1.2 apart on this scale."""
+    reference = dtype_run("float32", False)
+    first_rows = [rows[0] for rows in reference[1]]
+    assert (
+        min(relative_error(a, b) for a in first_rows for b in first_rows if a is not b)
+        > 5 * BFLOAT16_TOLERANCE
+    )
+    on, off = dtype_run("bfloat16", True), dtype_run("bfloat16", False)
+    for a, b in (on, reference), (off, reference), (on, off):
+        pairs = comparable_rows(a, b)
+        assert len(pairs) >= len(DTYPE_PROMPTS)  # every prompt's first token at least
+        assert max(relative_error(x, y) for x, y in pairs) < BFLOAT16_TOLERANCE

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 import threading
 import time
 
@@ -159,28 +161,77 @@ def test_killing_redis_never_stops_the_engine_and_a_resync_repairs_the_index(
     publisher.close()
 
 
+def test_too_many_unsent_changes_fall_back_to_one_resync(fresh_redis) -> None:
+    """``IndexConfig.max_pending_hashes`` bounds the changes a publisher keeps while Redis
+    does not answer: one more, and it drops them all and owes Redis one resync (the whole
+    mirror), which repairs the index once Redis answers again.
+
+    Redis is frozen (SIGSTOP), not down: the publisher's batch waits (``write_timeout_s`` is
+    long) instead of failing, so no error can be what causes the resync; only the overflow
+    can. Heartbeats are spaced out so that the batch is the publisher's only round trip."""
+    engine = Engine(EngineConfig(num_blocks=48))
+    index = index_for(
+        fresh_redis,
+        write_timeout_s=30.0,
+        heartbeat_interval_s=60.0,
+        heartbeat_ttl_s=120.0,
+        max_pending_hashes=8,
+    )
+    publisher = IndexPublisher(index, "replica-0").start()
+    engine.subscribe(publisher.on_events)
+    assert publisher.wait_in_sync(5.0)  # registered, and its (empty) entry sent
+    pid = redis.Redis.from_url(fresh_redis.url).info("server")["process_id"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        engine.generate([[256, *range(40)]], SamplingParams(max_tokens=1))  # 2 blocks: sent
+        deadline = time.monotonic() + 5
+        while not publisher._in_flight:  # its batch is out, waiting on frozen Redis
+            assert time.monotonic() < deadline, "the publisher never sent the first batch"
+            time.sleep(0.01)
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        engine.generate(prompts(6, 1), params)  # dozens of changes, none sendable
+        assert publisher.counters.overflows == 1
+        assert not publisher.in_sync
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert publisher.wait_in_sync(10.0)
+    assert index.replica_blocks("replica-0") == engine.cached_block_hashes()
+    c = publisher.counters
+    # the frozen batch went through, then one resync replaced the dropped changes
+    assert (c.registrations, c.batches, c.resyncs, c.overflows) == (1, 1, 2, 1)
+    assert c.failures == c.dropped_batches == 0
+    publisher.close()
+
+
 def test_queries_answer_unknown_quickly_when_redis_is_down_or_slow(fresh_redis) -> None:
     index = index_for(fresh_redis, timeout_s=0.05, retry_after_s=0.5)
     index.register("r", "e")
     index.publish("r", "e", H[:2])
 
     def debug_sleep() -> None:
-        redis.Redis.from_url(fresh_redis.url).execute_command("DEBUG", "SLEEP", "0.6")
+        redis.Redis.from_url(fresh_redis.url).execute_command("DEBUG", "SLEEP", "1.5")
 
     sleeper = threading.Thread(target=debug_sleep)
     sleeper.start()
-    time.sleep(0.1)
-    t0 = time.monotonic()
-    assert index.held(H[:2]) is None  # slow: times out
+    deadline = time.monotonic() + 5
+    while True:  # ask until the stall has reached Redis (the sleeper runs on its own thread)
+        t0 = time.monotonic()
+        answer = index.held(H[:2])
+        if answer is None:  # slow: timed out
+            break
+        assert answer == {"r": 2} and t0 < deadline, "DEBUG SLEEP never stalled Redis"
     assert time.monotonic() - t0 < 0.3
-    t0 = time.monotonic()
-    assert index.held(H[:2]) is None  # within retry_after_s: not even asked
-    assert time.monotonic() - t0 < 0.01
-    sleeper.join()
-    assert index.counters.query_failures == 1
+    assert sleeper.is_alive()  # answered "unknown" while Redis was still stalled
+    assert index.held(H[:2]) is None  # within retry_after_s: not even asked...
+    assert index.counters.query_failures == 1  # ...(asking would have timed out again)
     assert index.counters.queries_skipped == 1
-    time.sleep(0.5)
-    assert index.held(H[:2]) == {"r": 2}
+    sleeper.join()
+    deadline = time.monotonic() + 5
+    while (answer := index.held(H[:2])) is None:  # skipped until retry_after_s has passed
+        assert time.monotonic() < deadline, "queries never resumed after retry_after_s"
+        time.sleep(0.05)
+    assert answer == {"r": 2}
+    assert index.counters.query_failures == 1
 
     fresh_redis.stop()
     down = index_for(fresh_redis)

@@ -64,7 +64,12 @@ def test_prefix_affinity_keeps_a_shared_prompt_together_and_spreads_distinct_one
     ]
     choices = [policy.rank(short, loads(0, 0, 0, 0))[0] for short in shorts]
     assert len(set(choices)) == 4
-    assert choices == [policy.rank(short, loads(0, 0, 0, 0))[0] for short in shorts]
+    # the key is the partial block's content: two short prompts differing in one token (or
+    # in salt) get different keys; the same one built afresh, by another hasher, the same
+    key = HASHER.affinity_key([1, 2, 3], 4)
+    assert HASHER.affinity_key([1, 2, 4], 4) != key
+    assert HASHER.affinity_key([1, 2, 3], 4, cache_salt="tenant") != key
+    assert BlockHasher(16, "m").affinity_key(list((1, 2, 3)), 4) == key
 
 
 def test_bounded_load_spills_a_hot_key_to_its_next_choice() -> None:
@@ -194,6 +199,19 @@ def test_a_new_prefix_goes_to_the_smallest_footprint_among_the_near_cheapest() -
     assert policy.rank(req, replicas)[0] == "a"
 
 
+def test_a_held_template_head_does_not_pull_every_new_prefix_onto_one_replica() -> None:
+    """With slack 0, the credit of a held head below the hit threshold (a chat template's
+    first blocks) must not decide: idle replicas are equal, and the smaller cache wins."""
+    req = request(9, num_blocks=4)  # 69 tokens, 64 usable: a hit needs 32 cached
+    policy = cost_policy(decode_cost_tokens=0, new_prefix_slack=0.0)
+    replicas = [state("a", cached_blocks=1, footprint_blocks=40), state("b", footprint_blocks=0)]
+    assert policy.rank(req, replicas)[0] == "b"
+    assert policy.explain() == "prefill_cost new prefix: b a=53 b=69"
+    # but load still decides first: b busier by one token loses to a
+    replicas[1] = state("b", footprint_blocks=0, booked_prefill_tokens=1)
+    assert policy.rank(req, replicas)[0] == "a"
+
+
 def test_prefill_cost_ties_follow_the_prompts_rendezvous_order() -> None:
     policy = cost_policy()
     for seed in range(20):
@@ -234,3 +252,92 @@ def test_dynamo_model_costs_prefill_blocks_after_overlap_plus_decode_blocks() ->
         state("c", predicted_blocks=6, booked_decode_blocks=5),  # 2 + 5
     ]
     assert DynamoKV().rank(req, replicas) == ["c", "b", "a"]
+
+
+def test_rendezvous_order_is_the_same_in_every_router_and_release() -> None:
+    """Every ingress router ranks alone, so they agree only if the order is a fixed function
+    of key and ids: these orders are pinned (a change of hash or digest size would move
+    keys between replicas during a rolling upgrade)."""
+    assert rendezvous_order(b"\x00" * 16, ["r0", "r1", "r2", "r3"]) == ["r2", "r3", "r0", "r1"]
+    assert rendezvous_order(b"key", list("abcde")) == ["b", "a", "d", "c", "e"]
+
+
+def test_bounded_load_caps_at_the_ceiling_of_the_mean_with_the_new_request() -> None:
+    """``in_flight + 1 <= ceil((1 + epsilon) x (total + 1) / n)``, at its exact edges: of two
+    replicas, one with 2 in flight would reach 3 > ceil(1.25 x 1.5) = 2; with 1, 2 fits."""
+    assert BoundedLoad(0.25).overloaded(loads(2, 0)) == {"r0"}
+    assert BoundedLoad(0.25).overloaded(loads(1, 0)) == set()
+
+
+def test_round_robin_cycles_over_sorted_ids_from_the_first() -> None:
+    rr = RoundRobin()
+    replicas = [ReplicaState(rid) for rid in ("Z", "A", "Y")]
+    assert rr.rank(request(0), replicas) == ["A", "Y", "Z"]
+
+
+def test_cache_aware_ranks_every_replica_by_uncached_work_load_and_cap() -> None:
+    """Exact rankings: a replica holding nothing gets no credit; the load cap puts a replica
+    last even when it holds the whole prompt; ties follow rendezvous order."""
+    req = request(5, num_blocks=8)  # 133 tokens; affinity order r0, r1, r2, r3
+    assert PrefixAffinity().rank(req, loads(0, 0, 0, 0)) == ["r0", "r1", "r2", "r3"]
+    policy = CacheAware(BoundedLoad(epsilon=0.25), load_cost_tokens=64)
+    answer = {"r0": 0, "r1": 1, "r2": 8, "r3": 0}  # work: 133, 117, 5, 133
+    assert policy.rank(req, loads(0, 0, 0, 0, answer=answer)) == ["r2", "r1", "r0", "r3"]
+    # cheap load (1 token per request): r1 holds all of it, but 3 in flight is over the cap
+    cheap = CacheAware(BoundedLoad(epsilon=0.25), load_cost_tokens=1)
+    assert cheap.rank(req, loads(0, 3, 0, 0, answer={"r1": 8})) == ["r0", "r2", "r3", "r1"]
+
+
+def test_cache_aware_threshold_is_inclusive_and_zero_credit_is_always_affinity() -> None:
+    """A cached share of exactly ``min_cached_fraction`` is enough to steer; no credit at all
+    is affinity even when the fraction is 0 (then load alone would reorder replicas)."""
+    req = request(21, num_blocks=4, extra=0)  # 64 tokens: affinity order r0, r1, r2
+    policy = CacheAware(load_cost_tokens=64, min_cached_fraction=0.5)
+    assert policy.rank(req, loads(0, 0, 0, answer={"r2": 2})) == ["r2", "r0", "r1"]  # 32 of 64
+    req = request(5, num_blocks=8)
+    unbounded = BoundedLoad(epsilon=10.0)  # nobody over the cap
+    zero = CacheAware(unbounded, load_cost_tokens=64, min_cached_fraction=0.0)
+    expected = PrefixAffinity(unbounded).rank(req, loads(0, 1, 0, 0))
+    assert expected == ["r0", "r1", "r2", "r3"]
+    assert zero.rank(req, loads(0, 1, 0, 0, answer={})) == expected
+
+
+def test_prefill_cost_serves_a_single_replica_and_measures_against_the_cheapest() -> None:
+    req = request(8, num_blocks=8)  # 133 tokens
+    policy = cost_policy(decode_cost_tokens=0, sticky_budget_tokens=200)
+    assert policy.rank(req, [state("a", cached_blocks=8)]) == ["a"]
+    # a costs 400 + 5: 272 over the cheapest (b), within 200 of the second (c, 233)
+    replicas = [
+        state("a", cached_blocks=8, booked_prefill_tokens=400),
+        state("b"),
+        state("c", booked_prefill_tokens=100),
+    ]
+    assert policy.rank(req, replicas) == ["b", "c", "a"]
+
+
+def test_prefill_cost_edges_of_hit_stickiness_and_slack_are_inclusive() -> None:
+    """Each rule at its exact edge, with the explanation in full."""
+    req = request(8, num_blocks=8)  # 133 tokens, 128 usable
+    policy = cost_policy(decode_cost_tokens=0, sticky_budget_tokens=200)
+    # two holders of the whole prompt: the cheaper one is the holder
+    twins = [
+        state("a", cached_blocks=8, booked_prefill_tokens=100),
+        state("b", cached_blocks=8),
+        state("c"),
+    ]
+    assert policy.rank(req, twins) == ["b", "a", "c"]
+    # the holder exactly sticky_budget_tokens dearer than the cheapest keeps the prompt
+    edge = [state("a", cached_blocks=8, booked_prefill_tokens=328), state("b"), state("c")]
+    assert policy.rank(req, edge) == ["a", "b", "c"]
+    assert policy.explain() == "prefill_cost sticky: a a=333 b=133 c=133"
+    short = request(9, num_blocks=4)  # 69 tokens, 64 usable: a hit needs 32 cached
+    slack = cost_policy(decode_cost_tokens=0, new_prefix_slack=1.0)
+    half = [state("a", cached_blocks=2, footprint_blocks=500), state("b")]
+    assert slack.rank(short, half)[0] == "a"  # exactly half held: a hit, not a new prefix
+    # a new prefix: b, exactly one prefill (69) dearer than a, is near enough, and smaller
+    near = [
+        state("a", footprint_blocks=500),
+        state("b", footprint_blocks=10, booked_prefill_tokens=69),
+    ]
+    assert slack.rank(short, near)[0] == "b"
+    assert slack.explain() == "prefill_cost new prefix: b a=69 b=138"

@@ -6,6 +6,7 @@ the cluster still serving; the last one checks that no block leaked on any repli
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Iterator
@@ -31,13 +32,14 @@ MODEL = "tiny-llama-6m"
 KEY = "sk-test-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
 ENGINE = EngineConfig(num_threads=1, num_blocks=512, max_model_len=1024, hash_secret="s3cret")
+MAX_TOKENS_LIMIT = 64
 
 
 @pytest.fixture(scope="module")
 def cluster(redis_server: LocalRedis, request: pytest.FixtureRequest) -> Iterator[ServeCluster]:
     args = ClusterArgs(
         engine=ENGINE,
-        max_tokens_limit=64,
+        max_tokens_limit=MAX_TOKENS_LIMIT,
         api_keys=[KEY, "sk-second-key"],
         routing=RoutingConfig(stats_period_s=0.5),
         index=IndexConfig(url=redis_server.url, cluster="reliability"),
@@ -137,7 +139,14 @@ def test_fuzzed_bodies_never_get_a_5xx_and_errors_are_openai_shaped(
     elif isinstance(body, dict) and body.get("stream") is True:
         assert resp.text.rstrip().endswith("data: [DONE]")
     else:
-        assert resp.json()["usage"]["completion_tokens"] >= 0
+        reply = resp.json()
+        usage = reply["usage"]
+        # usage adds up and follows the engine's rules: cached tokens in whole blocks, at
+        # least one prompt token computed, at most max_tokens_limit tokens per choice
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        assert cached % ENGINE.block_size == 0 and cached < usage["prompt_tokens"]
+        assert usage["completion_tokens"] <= MAX_TOKENS_LIMIT * len(reply["choices"])
 
 
 @pytest.mark.parametrize(
@@ -190,11 +199,22 @@ def test_salted_tenants_never_share_a_block(http: httpx.Client, redis_server: Lo
         )
         return resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
+    def salt_of(salt: str | None) -> str:
+        """What the engine is given: with API keys configured, the key's id leads every salt
+        (README, per-key isolation), so two keys never share a block either."""
+        key_id = hashlib.blake2b(KEY.encode(), digest_size=8).hexdigest()
+        return f"key:{key_id}" + (f"/{salt}" if salt else "")
+
     assert send("tenant-a") == 0
-    time.sleep(0.5)  # let the index catch up
-    assert max(index.held(hasher.chain(ids, "tenant-a")).values()) > 0
-    assert set(index.held(hasher.chain(ids, "tenant-b")).values()) == {0}
-    assert set(index.held(hasher.chain(ids)).values()) == {0}
+    deadline = time.monotonic() + 10
+    while not any((index.held(hasher.chain(ids, salt_of("tenant-a"))) or {}).values()):
+        # the replica's publisher thread sends its blocks after the step that cached them
+        assert time.monotonic() < deadline, "tenant-a's blocks never reached the index"
+        time.sleep(0.1)
+    for other in ("tenant-b", None):
+        assert set(index.held(hasher.chain(ids, salt_of(other))).values()) == {0}
+    for bare in ("tenant-a", None):  # the client's salt alone is not what was stored
+        assert set(index.held(hasher.chain(ids, bare)).values()) == {0}
     assert send("tenant-b") == 0 and send(None) == 0
     assert send("tenant-a") > 0
     # the keyed index never stores an unkeyed hash of what it served
@@ -202,7 +222,7 @@ def test_salted_tenants_never_share_a_block(http: httpx.Client, redis_server: Lo
     stored = set().union(*(index.replica_blocks(r) for r in index.live_replicas()))
     assert stored
     for salt in (None, "tenant-a", "tenant-b"):
-        assert stored.isdisjoint(unkeyed.chain(ids, salt))
+        assert stored.isdisjoint(unkeyed.chain(ids, salt_of(salt)))
     keys = redis.Redis.from_url(redis_server.url).keys(b"*")
     assert not any(h in k for k in keys for h in unkeyed.chain(ids))
 

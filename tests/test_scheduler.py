@@ -149,3 +149,104 @@ def test_without_chunking_a_lone_long_prompt_runs_whole_over_the_budget() -> Non
     assert batch.seqs == [a] and batch.num_new_tokens == [20]  # b would overrun again
     batch = step(s)
     assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 20]
+
+
+def test_preemption_takes_the_newest_not_the_oldest_nor_the_one_that_needs_the_block() -> None:
+    """Newest first (README, "Memory pressure"): three decoding requests, oldest to newest
+    ``a``, ``b``, ``c``, in a pool with no free or cached block left. ``b`` (the middle one)
+    needs a new block; ``c`` gives its block up. Oldest first would take ``a``, and
+    preempting whoever needs the slot would take ``b``."""
+    s = scheduler(num_blocks=3, budget=64, decode_reserve=False)
+    a = seq("a", [10, 11], max_tokens=8)  # 2 of 4 slots: its next decode fits
+    b = seq("b", [20, 21, 22, 23], max_tokens=8)  # a full block: its next token needs one
+    c = seq("c", [30, 31], max_tokens=8)  # fits too, but it is the newest
+    for q in (a, b, c):
+        s.add(q)
+    batch = step(s)
+    assert batch.seqs == [a, b, c] and [q.block_table for q in (a, b, c)] == [[0], [1], [2]]
+    batch = step(s)
+    assert batch.preempted == [c]
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 1]
+    assert b.block_table == [1, 2]  # c's partial block, unpublished: free, then b's
+    assert c.status is SequenceStatus.WAITING and c.block_table == [] and list(s.waiting) == [c]
+    assert c.num_computed_tokens == 0 and c.num_output_tokens == 1  # recomputed, token kept
+    assert a.status is b.status is SequenceStatus.RUNNING
+
+
+def test_cached_blocks_are_evicted_before_anyone_is_preempted() -> None:
+    """The allocator gives up cached prefixes before the scheduler preempts anyone: two
+    decodes that each need a block take the two cached ones (no preemption), and only when
+    nothing free or cached is left is the newest request preempted."""
+    s = scheduler(num_blocks=5, budget=64, decode_reserve=False)
+    x = seq("x", list(range(8)), max_tokens=1)  # 2 full blocks, published
+    s.add(x)
+    step(s)
+    s.remove(x)  # finished: blocks 0 and 1 stay cached, tail first in line
+    allocator = s.block_manager.allocator
+    cache = s.block_manager.prefix_cache
+    assert allocator.eviction_order() == [1, 0] and allocator.num_free == 3
+    a = seq("a", [10, 11], max_tokens=8)
+    b = seq("b", [20, 21, 22, 23], max_tokens=8)
+    c = seq("c", [30, 31, 32, 33], max_tokens=8)
+    for q in (a, b, c):
+        s.add(q)
+    step(s)
+    assert [q.block_table for q in (a, b, c)] == [[2], [3], [4]]  # free blocks first
+    assert allocator.num_free == 0 and allocator.num_cached == 2
+    batch = step(s)  # b and c each need a block: both cached blocks go, nobody is preempted
+    assert batch.preempted == [] and batch.seqs == [a, b, c]
+    assert b.block_table == [3, 1] and c.block_table == [4, 0]
+    assert cache.num_evictions == 2 and allocator.num_available == 0
+    step(s)  # nobody needs a block
+    batch = step(s)  # a needs one; nothing free or cached: the newest gives way
+    assert batch.preempted == [c] and batch.seqs == [a, b]
+    assert a.block_table == [2, 0]  # c's partial block 0; its full block 4 stays cached
+    assert allocator.eviction_order() == [4] and cache.num_evictions == 2
+
+
+def test_queued_prefill_tokens_count_what_is_left_to_prefill() -> None:
+    """The engine's ``queued_prefill_tokens`` (a routing stat and gauge): the rest of every
+    prompt being chunked, plus each waiting prompt less what the cache held when it arrived.
+    Decoding requests owe no prefill."""
+    s = scheduler(num_blocks=16, budget=8)
+    bm = s.block_manager
+    d = seq("d", [1, 2, 3], max_tokens=8)
+    s.add(d)
+    step(s)  # d now decodes
+    a = seq("a", list(range(20)))
+    s.add(a)
+    step(s)  # d's decode, then 7 of a's 20 prompt tokens
+    assert a.num_computed_tokens == 7
+    b = seq("b", [*range(4), 50, 51])  # shares a's first block, published already
+    b.num_cached_at_arrival = bm.cached_prefix_tokens(b)  # as the engine does on arrival
+    assert b.num_cached_at_arrival == 4
+    s.add(b)
+    assert s.queued_prefill_tokens() == (20 - 7) + (6 - 4)
+    off = BlockManager(16, BS, BlockHasher(BS, "test-model"), enable_prefix_cache=False)
+    assert off.cached_prefix_tokens(seq("c", list(range(9)))) == 0
+
+
+def test_a_batch_asks_for_logits_only_where_it_samples_or_scores_the_prompt() -> None:
+    """``logit_rows``: the model computes logits only for the rows a step uses: the row
+    it samples from, or every prompt row of a request asking for prompt logprobs (and
+    only while its prompt is being computed, not when its generated tokens are recomputed
+    after a preemption)."""
+    plain = seq("plain", list(range(5)))
+    scored = Sequence("scored", list(range(5)), SamplingParams(prompt_logprobs=1), None, 0.0)
+    batch = ScheduledBatch()
+    batch.add(plain, 3)  # a chunk that does not reach the end: nothing to sample
+    batch.add(scored, 3)  # its first 3 prompt rows
+    scored.num_computed_tokens = 3
+    batch.add(scored, 2)  # the last 2 prompt rows, the last one sampled
+    scored.token_ids += [7, 8]  # two generated tokens, then preempted: all to recompute
+    scored.num_computed_tokens = 5
+    batch.add(scored, 1)  # its first generated token: past the prompt, no sample
+    assert batch.logit_rows == [0, 3, 2, 0]
+    assert batch.samples == [False, False, True, False]
+
+
+def test_the_budget_must_cover_one_token_per_sequence() -> None:
+    manager = BlockManager(8, BS, BlockHasher(BS, "test-model"), True)
+    assert Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=4).max_num_seqs == 4
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be at least max_num_seqs"):
+        Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=3)
