@@ -17,9 +17,10 @@ What the peers learned (``shared/notes/routing_peers.md``), in one rule set:
   head with the others), it goes to the replica owning the fewest cached blocks among
   those within ``new_prefix_slack`` prefills of the cheapest, so tenants spread over
   disjoint caches, but never onto a busy replica (load here leaves out the credit for a
-  short held head). The default slack is 0 (the least loaded, footprint breaking ties): in the simulator at 32 replicas (multi_tenant, 10,000 tenants)
-  a slack of one prefill bought no hit rate (0.184 against 0.193) and cost TTFT p50 0.55 s
-  against 0.36 s, as new tenants queued behind a busier replica with a smaller cache.
+  short held head). The default slack is 0 (the least loaded, footprint breaking ties): in
+  the simulator at 32 replicas (multi_tenant, 10,000 tenants) a slack of one prefill bought
+  no hit rate (0.184 against 0.193) and cost TTFT p50 0.55 s against 0.36 s, as new
+  tenants queued behind a busier replica with a smaller cache.
 * **Ties** break in rendezvous order of the prompt's affinity key: two ingress routers
   make the same choice for the same new prefix, and different prefixes spread.
 
