@@ -38,8 +38,10 @@ blocks first checks the caller's epoch, so a replica that was replaced (a new ep
 write stale entries. A query walks the prompt's chain block by block (each block's holders
 in its own set) and reads the footprints and loads from one hash each, so its cost follows
 the holders of the matched blocks, not the number of replicas. Failures never raise out of
-the query path: ``query`` returns None ("unknown") and stops asking Redis for
-``retry_after_s`` after a failure (a circuit breaker).
+the query path: ``query`` returns None ("unknown"), and after ``TRIP_AFTER_FAILURES`` in
+a row stops asking Redis for ``retry_after_s`` (a circuit breaker). One slow answer does
+not trip it: on a 2-core machine a CPU-starved ingress sees an occasional read pass its
+50 ms timeout, and a breaker that tripped on it routed the next second of requests blind.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ from redis.retry import Retry
 
 from replica import index_scripts as scripts
 from replica.index_records import Booking, ReplicaView
+
+TRIP_AFTER_FAILURES = 3  # failed queries in a row before routers stop asking for a while
 
 
 class IndexConfig(BaseModel):
@@ -147,6 +151,7 @@ class BlockIndex:
         }
         self.counters = IndexCounters()
         self._skip_until = 0.0
+        self._failures_in_a_row = 0
         self._lock = threading.Lock()
 
     # -- replica side (raise redis errors; the publisher decides what to do) ------------------
@@ -220,7 +225,7 @@ class BlockIndex:
             flat = self._query(args=[self.namespace, *block_hashes])
         except redis.RedisError:
             return self._failed()
-        return _views(flat)
+        return self._answered(flat)
 
     def held(self, block_hashes: Sequence[bytes]) -> dict[str, int] | None:
         """For every live replica, how many leading blocks of the chain it has published."""
@@ -235,7 +240,7 @@ class BlockIndex:
             flat = await self._ascripts["query"](args=[self.namespace, *block_hashes])
         except (redis.RedisError, OSError):
             return self._failed()
-        return _views(flat)
+        return self._answered(flat)
 
     async def abook(self, booking: Booking, predict_ttl_s: float, booking_ttl_s: float) -> bool:
         """Book a routed request on its replica; False if Redis did not take it."""
@@ -299,8 +304,16 @@ class BlockIndex:
     def _failed(self) -> None:
         with self._lock:
             self.counters.query_failures += 1
-            self._skip_until = time.monotonic() + self.config.retry_after_s
+            self._failures_in_a_row += 1
+            if self._failures_in_a_row >= TRIP_AFTER_FAILURES:
+                self._skip_until = time.monotonic() + self.config.retry_after_s
+                self._failures_in_a_row = 0
         return None
+
+    def _answered(self, flat: list) -> dict[str, ReplicaView]:
+        with self._lock:
+            self._failures_in_a_row = 0
+        return _views(flat)
 
 
 def _views(flat: list) -> dict[str, ReplicaView]:

@@ -15,7 +15,7 @@ import redis
 from cluster.experiments.redis_server import LocalRedis
 from replica.engine import Engine, EngineConfig, SamplingParams
 from replica.hashing import BlockHasher
-from replica.index import BlockIndex, IndexConfig, StaleEpochError
+from replica.index import TRIP_AFTER_FAILURES, BlockIndex, IndexConfig, StaleEpochError
 from replica.index_publisher import IndexPublisher
 from replica.index_records import Booking, ReplicaView
 
@@ -221,9 +221,14 @@ def test_queries_answer_unknown_quickly_when_redis_is_down_or_slow(fresh_redis) 
             break
         assert answer == {"r": 2} and t0 < deadline, "DEBUG SLEEP never stalled Redis"
     assert time.monotonic() - t0 < 0.3
+    # one slow answer does not trip the breaker: the next queries still ask (and time out),
+    # until TRIP_AFTER_FAILURES in a row; then, within retry_after_s, nobody asks at all
+    for failures in range(2, TRIP_AFTER_FAILURES + 1):
+        assert index.held(H[:2]) is None
+        assert index.counters.query_failures == failures
     assert sleeper.is_alive()  # answered "unknown" while Redis was still stalled
     assert index.held(H[:2]) is None  # within retry_after_s: not even asked...
-    assert index.counters.query_failures == 1  # ...(asking would have timed out again)
+    assert index.counters.query_failures == TRIP_AFTER_FAILURES  # ...(it would time out)
     assert index.counters.queries_skipped == 1
     sleeper.join()
     deadline = time.monotonic() + 5
@@ -231,7 +236,7 @@ def test_queries_answer_unknown_quickly_when_redis_is_down_or_slow(fresh_redis) 
         assert time.monotonic() < deadline, "queries never resumed after retry_after_s"
         time.sleep(0.05)
     assert answer == {"r": 2}
-    assert index.counters.query_failures == 1
+    assert index.counters.query_failures == TRIP_AFTER_FAILURES
 
     fresh_redis.stop()
     down = index_for(fresh_redis)

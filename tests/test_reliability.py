@@ -18,6 +18,7 @@ import redis
 from conftest import keep_logs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_serve_e2e import assert_no_leaked_blocks
 
 from cluster.config import ClusterArgs
 from cluster.experiments.launcher import ServeCluster
@@ -248,6 +249,7 @@ def test_clients_that_hang_up_mid_stream_leak_nothing(
     ):
         assert time.monotonic() < deadline, "the engine never aborted the abandoned requests"
         time.sleep(0.5)
+    assert_no_leaked_blocks(cluster)  # this test alone (-k) checks its own leaks too
 
 
 def test_nothing_leaked_after_all_of_it(cluster: ServeCluster, http: httpx.Client) -> None:

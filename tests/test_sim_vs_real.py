@@ -15,7 +15,7 @@ from pathlib import Path
 from cluster.experiments.__main__ import run as run_experiment
 from cluster.experiments.redis_server import LocalRedis
 
-POLICIES = "round_robin,prefix_affinity,cache_aware"
+POLICIES = "round_robin,prefill_cost,cache_aware"
 TOLERANCE = 0.10
 
 

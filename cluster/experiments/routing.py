@@ -178,6 +178,9 @@ def run_policy(
             stats = cluster.stats()
             metrics["decision_p50_ms"] = (stats["decision_p50_s"] or 0) * 1e3
             metrics["decision_p99_ms"] = (stats["decision_p99_s"] or 0) * 1e3
+            counters = stats.get("index") or {}  # queries answered "unknown" (routed blind)
+            unknown = counters.get("query_failures", 0) + counters.get("queries_skipped", 0)
+            metrics["index_unknown"] = unknown
         if metrics["requests_ok"] == 0:
             metrics["error"] = f"no request succeeded: {metrics['errors']}"
         return metrics

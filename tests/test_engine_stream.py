@@ -1,0 +1,160 @@
+"""The ingress's side of a replica's death, step by step: ``EngineStream`` against a scripted
+deployment handle whose replicas die exactly where a test says. (``test_failover.py`` kills a
+real replica mid-generation; the paths here are those a kill cannot hit on purpose: a death
+before the first token, running out of resumes, and choices that cannot be resumed.)"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+import ray.exceptions
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from cluster import api_metrics
+from cluster.api_errors import APIError, install_handlers
+from cluster.engine_stream import EngineStream
+from replica.hashing import BlockHasher
+from replica.messages import EngineChunk, EngineRequest
+from replica.sampling_params import SamplingParams
+
+HASHER = BlockHasher(4, "test-model")
+PROMPT = list(range(10))
+DIES = object()  # in a script: the replica dies here
+
+
+class ScriptedCall:
+    """One ``generate.remote`` call: yields its script's tokens as chunks, or dies."""
+
+    def __init__(self, request: EngineRequest, script: list[object]) -> None:
+        self.request = request
+        self._script: Iterator[object] = iter(script)
+        self.cancelled = False
+
+    def __aiter__(self) -> ScriptedCall:
+        return self
+
+    async def __anext__(self) -> EngineChunk:
+        step = next(self._script, None)
+        if step is None:
+            raise StopAsyncIteration
+        if step is DIES:
+            raise ray.exceptions.RayActorError()
+        tokens, finished, index = step  # type: ignore[misc]
+        return EngineChunk(
+            self.request.request_id, tokens, finished, "length" if finished else None,
+            len(PROMPT), 0, "replica", index,
+        )  # fmt: skip
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class ScriptedHandle:
+    """Stands in for ``DeploymentHandle(EngineReplica)``: the n-th send follows script n."""
+
+    def __init__(self, *scripts: list[object]) -> None:
+        self._scripts = list(scripts)
+        self.calls: list[ScriptedCall] = []
+        self.generate = self  # handle.generate.remote(request)
+
+    def remote(self, request: EngineRequest) -> ScriptedCall:
+        call = ScriptedCall(request, self._scripts[len(self.calls)])
+        self.calls.append(call)
+        return call
+
+
+def request(n: int = 1) -> EngineRequest:
+    return EngineRequest(
+        "req-1", PROMPT, SamplingParams(max_tokens=4, n=n, seed=5), HASHER.chain(PROMPT), b"k"
+    )
+
+
+def read_all(stream: EngineStream) -> list[EngineChunk]:
+    async def go() -> list[EngineChunk]:
+        chunks = [await stream.first()]
+        chunks += [c async for c in stream.rest()]
+        return chunks
+
+    return asyncio.run(go())
+
+
+def given_up(when: str) -> float:
+    return api_metrics.RESUMES.labels(when, "given_up")._value.get()
+
+
+def test_a_replica_dying_before_the_first_token_gets_the_request_resent_unchanged() -> None:
+    handle = ScriptedHandle([DIES], [([7], False, 0), ([8, 9], True, 0)])
+    stream = EngineStream(handle, request(), HASHER.chain, max_resumes=2)  # type: ignore[arg-type]
+    chunks = read_all(stream)
+    assert [c.token_ids for c in chunks] == [[7], [8, 9]]
+    first, second = handle.calls
+    assert second.request == first.request  # nothing delivered yet: the same request
+    assert first.cancelled and stream.resumes == 1
+
+
+def test_a_replica_dying_mid_stream_is_continued_from_what_the_client_has() -> None:
+    handle = ScriptedHandle(
+        [([7], False, 0), ([8], False, 0), DIES], [([9], False, 0), ([10], True, 0)]
+    )
+    stream = EngineStream(handle, request(), HASHER.chain, max_resumes=2)  # type: ignore[arg-type]
+    assert [c.token_ids for c in read_all(stream)] == [[7], [8], [9], [10]]
+    continuation = handle.calls[1].request
+    assert continuation.request_id == "req-1" and continuation.prompt_token_ids == PROMPT
+    assert continuation.output_token_ids == [7, 8]
+    # hashed again over prompt + delivered tokens, so the router finds them where cached
+    assert continuation.block_hashes == HASHER.chain([*PROMPT, 7, 8])
+    assert len(continuation.block_hashes) == 3 and stream.resumes == 1
+
+
+def test_resumes_are_bounded_then_the_request_fails_as_replica_failed() -> None:
+    before = given_up("before_first_token")
+    handle = ScriptedHandle([DIES], [DIES], [DIES], [([1], True, 0)])
+    stream = EngineStream(handle, request(), HASHER.chain, max_resumes=2)  # type: ignore[arg-type]
+    with pytest.raises(APIError) as failed:
+        read_all(stream)
+    assert len(handle.calls) == 3  # the first send and two resumes, never a fourth
+    error = failed.value
+    assert (error.status, error.code) == (503, "replica_failed")
+    assert given_up("before_first_token") == before + 1
+    none = EngineStream(ScriptedHandle([DIES]), request(), HASHER.chain, max_resumes=0)  # type: ignore[arg-type]
+    with pytest.raises(APIError, match="retry"):
+        read_all(none)
+
+
+def test_several_choices_are_resent_before_their_first_token_but_not_resumed_mid_stream() -> None:
+    before = given_up("mid_stream")
+    early = ScriptedHandle([DIES], [([1], True, 0), ([2], True, 1)])
+    stream = EngineStream(early, request(n=2), HASHER.chain, max_resumes=2)  # type: ignore[arg-type]
+    assert [(c.index, c.token_ids) for c in read_all(stream)] == [(0, [1]), (1, [2])]
+    late = ScriptedHandle([([1], False, 0), ([2], False, 1), DIES], [([3], True, 0)])
+    stream = EngineStream(late, request(n=2), HASHER.chain, max_resumes=2)  # type: ignore[arg-type]
+    with pytest.raises(APIError) as failed:
+        read_all(stream)
+    assert failed.value.code == "replica_failed" and len(late.calls) == 1
+    assert given_up("mid_stream") == before + 1
+
+
+def test_an_internal_error_is_a_500_in_the_openai_shape_without_a_stack_trace() -> None:
+    """The handlers the ingress installs, on an app whose route fails unexpectedly: the
+    client learns that it failed, not how (no traceback, no exception text)."""
+    app = FastAPI()
+    install_handlers(app)
+
+    @app.get("/boom")
+    def boom() -> None:
+        raise RuntimeError("secret detail from /internal/path.py")
+
+    resp = TestClient(app, raise_server_exceptions=False).get("/boom")
+    assert resp.status_code == 500
+    assert resp.json() == {
+        "error": {
+            "message": "internal error",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+    }
+    assert "Traceback" not in resp.text and "secret" not in resp.text
