@@ -96,8 +96,10 @@ def replica_kill(args: argparse.Namespace) -> dict[str, Any]:
         trace = fault_trace(args.rate, args.duration_s)
         s.load(trace)
         time.sleep(args.duration_s * 0.3)
-        before, resumes = s.stats(), resume_counts(s.cluster.base_url)
-        victim, victim_stats = sorted(before.items())[0]
+        resumes = resume_counts(s.cluster.base_url)
+        before = _busy_replicas(s)
+        # the busiest replica, so that streams are mid-generation on it when it dies
+        victim, victim_stats = max(before.items(), key=lambda kv: kv[1]["num_running"])
         os.kill(victim_stats["pid"], signal.SIGKILL)
         killed = time.monotonic()
         purged = wait_for(lambda: victim not in s.index.live_replicas(), 30)
@@ -125,6 +127,16 @@ def replica_kill(args: argparse.Namespace) -> dict[str, Any]:
         )
 
 
+def _busy_replicas(s: Scenario, timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
+    """Replica stats once one of them runs two requests or more (or at the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = s.stats()
+        if any(v["num_running"] >= 2 for v in stats.values()) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
 def repeated_kills(args: argparse.Namespace) -> dict[str, Any]:
     """A replica killed every ``--kill-every-s`` under load, ``--kills`` times."""
     with Scenario() as s:
@@ -144,17 +156,25 @@ def repeated_kills(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def scale_down(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine deployment goes from 3 replicas to 2 (``serve deploy``) under load."""
+    """The engine deployment goes from 3 replicas to 2 (``serve deploy``, in place) under
+    load: one replica drains, the two others keep serving (and keep their caches)."""
     with Scenario(num_replicas=3) as s:
         trace = fault_trace(args.rate, args.duration_s)
         s.load(trace)
         time.sleep(args.duration_s * 0.3)
-        resumes = resume_counts(s.cluster.base_url)
-        s.args = s.args.model_copy(update={"num_replicas": 2})
-        s.cluster.redeploy(s.args)
+        resumes, before = resume_counts(s.cluster.base_url), set(s.index.live_replicas())
+        s.cluster.scale(2)
         left = wait_for(lambda: len(s.index.live_replicas()) == 2, 120)
+        kept = set(s.index.live_replicas()) & before
+        s.args = s.args.model_copy(update={"num_replicas": 2})
         s.wait_load()
-        return s.report(trace, scaled="3 -> 2", drained_s=left, **_resumes_since(s, resumes))
+        return s.report(
+            trace,
+            scaled="3 -> 2",
+            drained_s=left,
+            replicas_kept=len(kept),
+            **_resumes_since(s, resumes),
+        )
 
 
 def _resumes_since(s: Scenario, before: dict[str, float]) -> dict[str, float]:

@@ -136,23 +136,29 @@ class ServeCluster:
             self._proc.wait()
         return False
 
-    def redeploy(self, args: ClusterArgs, timeout_s: float = 120.0) -> None:
-        """Apply a new config to the running cluster as an operator would (``serve deploy``
-        through the dashboard): Serve adds or drains replicas to match."""
-        config = self._dir / "redeploy.yaml"
-        config.write_text(yaml.safe_dump(serve_config(args, self.port)))
+    def scale(self, num_replicas: int, timeout_s: float = 120.0) -> None:
+        """Scale the engine deployment as an operator would: ``serve deploy`` of the same
+        config with ``num_replicas`` set for ``EngineReplica`` in its ``deployments``
+        section. Serve treats that as a lightweight update: it starts or drains replicas and
+        leaves the others (and their caches) alone. (Changing ``args`` instead would be a
+        code update, which replaces every replica.)"""
+        config = serve_config(self.args, self.port)
+        config["applications"][0]["deployments"] = [
+            {"name": "EngineReplica", "num_replicas": num_replicas}
+        ]
+        path = self._dir / "redeploy.yaml"
+        path.write_text(yaml.safe_dump(config))
         serve = Path(sys.executable).with_name("serve")
         env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
         address = ["--address", self.dashboard_url()]
         subprocess.run(
-            [str(serve), "deploy", str(config), *address],
+            [str(serve), "deploy", str(path), *address],
             cwd=REPO,
             env=env,
             check=True,
             capture_output=True,
             timeout=timeout_s,
         )
-        self.args = args
 
     def dashboard_url(self) -> str:
         """The Ray dashboard this ``serve run`` started (read from its log)."""

@@ -226,7 +226,8 @@ def _recovery(name: str, r: dict[str, Any]) -> str:
     if name == "repeated_kills":
         return f"{r.get('kills')} kills, {r.get('resumed_requests', 0):.0f} resumed"
     if name == "scale_down":
-        return f"3 -> 2 replicas, drained in {_s(r.get('drained_s'))}"
+        kept = r.get("replicas_kept")
+        return f"3 -> 2 replicas, drained in {_s(r.get('drained_s'))}, {kept} kept"
     if name == "redis_slow":
         return f"route p99 {r.get('route_p99_ms', 0):.1f} ms"
     if name == "overload":
