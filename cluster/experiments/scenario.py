@@ -34,7 +34,7 @@ class Scenario:
             index=IndexConfig(url=self.redis.url, cluster="faults"),
         )
         self.cluster = ServeCluster(self.args).start()
-        # the harness's own reads wait longer than a router's 50 ms: on 2 busy cores a
+        # the harness's own reads wait longer than a router's 250 ms: on 2 busy cores a
         # timeout here would abort the scenario, not measure it
         watch = self.args.index.model_copy(update={"timeout_s": 2.0, "connect_timeout_s": 2.0})
         self.index = BlockIndex(watch, self.args.engine.model_id)
