@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import signal
 import time
 from collections.abc import Iterator
 
@@ -337,3 +338,9 @@ def test_round_robin_alternates(redis_server: LocalRedis, cluster: ServeCluster)
         assert ra == rb == ra2
         assert b.usage.prompt_tokens_details.cached_tokens == 0
         assert again.usage.prompt_tokens_details.cached_tokens >= 0.8 * len(system)
+        assert index.live_replicas() and redis.Redis.from_url(redis_server.url).keys(b"{ps:*")
+        # SIGTERM (systemd, Kubernetes, docker stop) is a graceful stop too: every replica
+        # deregisters and purges its blocks, as with Ctrl-C
+        rr.stop(first=signal.SIGTERM)
+        assert index.live_replicas() == {}
+        assert redis.Redis.from_url(redis_server.url).keys(f"{index.namespace}*".encode()) == []
