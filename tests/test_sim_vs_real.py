@@ -2,10 +2,15 @@
 
 Runs the real routing experiment (three `serve run` clusters, one per policy), then the
 simulator on the trace it saved. Stated tolerance: prompt-token hit rates (engine counters)
-within 0.10 of each other per policy, and both rank every prefix policy above round robin.
-The real cluster's cache-aware hit rate on this trace varies from run to run (0.40-0.42 in
-four runs on an idle machine, 0.51 once in a CI run whose cluster stops were hanging): it
-routes on in-flight counts and on what reached the index in time, both timing-dependent.
+within 0.10 of each other per policy, and both rank every prefix policy above round robin
+by at least 0.05.
+
+Headroom, measured (README, Simulator; `make bench` runs it): three real runs per policy
+on this trace gave round_robin 0.235-0.313 (simulator 0.287), prefill_cost 0.508-0.557
+(0.545), cache_aware 0.440-0.470 (0.423): the worst gap was 0.052, half the tolerance. The
+real hit rate varies because routing depends on timing (what reached the index, the
+bookings in flight); one earlier CI run whose cluster stops were hanging gave cache_aware
+0.514 (a gap of 0.091). The prefix policies led round robin by 0.13 or more in every run.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from cluster.experiments.redis_server import LocalRedis
 
 POLICIES = "round_robin,prefill_cost,cache_aware"
 TOLERANCE = 0.10
+MARGIN = 0.05  # a prefix policy must beat round robin by this much
 
 
 def test_simulated_hit_rates_match_the_real_cluster(tmp_path: Path, redis_server: LocalRedis):
@@ -55,7 +61,8 @@ def test_simulated_hit_rates_match_the_real_cluster(tmp_path: Path, redis_server
         assert abs(r["hit_rate_engine"] - s["hit_rate_engine"]) <= TOLERANCE, (policy, r, s)
     for runs in (real_runs, sim_runs):
         baseline = runs["round_robin"]["hit_rate_engine"]
-        assert all(runs[p]["hit_rate_engine"] > baseline for p in POLICIES.split(",")[1:])
+        for policy in POLICIES.split(",")[1:]:
+            assert runs[policy]["hit_rate_engine"] > baseline + MARGIN, (policy, runs)
     for name in (
         "results.json",
         "results.md",
