@@ -1,0 +1,59 @@
+"""The README stays true to the code where a test can tell: every configuration field is in
+its Configuration section, and every experiment has a command there."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from cluster.config import Autoscaling, ClusterArgs
+from cluster.experiments.__main__ import EXPERIMENTS
+from replica.config import EngineConfig
+from replica.index import IndexConfig
+from router.config import RoutingConfig
+
+README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+
+
+def section(title: str) -> str:
+    start = README.index(f"## {title}")
+    end = README.find("\n## ", start + 1)
+    return README[start : end if end != -1 else len(README)]
+
+
+def test_every_configuration_field_is_documented() -> None:
+    config = section("Configuration")
+    models: list[type[BaseModel]] = [
+        ClusterArgs,
+        Autoscaling,
+        EngineConfig,
+        RoutingConfig,
+        IndexConfig,
+    ]
+    missing = [
+        f"{model.__name__}.{name}"
+        for model in models
+        for name in model.model_fields
+        if f"`{name}`" not in config
+    ]
+    assert missing == []
+
+
+def test_every_experiment_has_a_reproducing_command() -> None:
+    commands = set(re.findall(r"python -m cluster\.experiments (\w+)", README))
+    assert set(EXPERIMENTS) <= commands, set(EXPERIMENTS) - commands
+
+
+def test_every_module_is_in_the_architecture_table() -> None:
+    architecture = section("Architecture")
+    root = Path(__file__).resolve().parent.parent
+    modules = [
+        p
+        for package in ("replica", "router", "cluster", "cluster/experiments")
+        for p in sorted((root / package).glob("*.py"))
+        if not p.name.startswith("__")
+    ]
+    missing = [str(p.relative_to(root)) for p in modules if f"`{p.name}`" not in architecture]
+    assert missing == []
