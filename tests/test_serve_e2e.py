@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 
@@ -220,8 +222,18 @@ def test_overload_is_shed_quickly_and_every_block_comes_back(cluster: ServeClust
     tokens (seconds), so all 40 arrive while the first 12 are still running."""
 
     def finished() -> int:
-        return sum(r["num_finished"] for r in cluster.stats()["replicas"].values())
+        """Requests the engines finished, from stats each replica reported after this call
+        (with nothing in flight, a fresh report counts every request so far)."""
+        since = time.time()
+        deadline = time.monotonic() + 20
+        while True:
+            replicas = cluster.stats()["replicas"].values()
+            if len(replicas) == 2 and all(r.get("time", 0) > since for r in replicas):
+                return sum(r["num_finished"] for r in replicas)
+            assert time.monotonic() < deadline, "no fresh replica stats"
+            time.sleep(0.2)
 
+    assert_no_leaked_blocks(cluster)  # nothing in flight from earlier tests
     before = finished()
     with httpx.Client(base_url=cluster.base_url, timeout=180) as http:
 
@@ -239,11 +251,8 @@ def test_overload_is_shed_quickly_and_every_block_comes_back(cluster: ServeClust
         assert r.headers["retry-after"] == "1"
     assert all(r.json()["usage"]["completion_tokens"] == 600 for r in served)
     # refused at the door: the engines finished the 12 admitted requests and nothing else
-    deadline = time.monotonic() + 20
-    while finished() - before != 12:
-        assert finished() - before < 12 and time.monotonic() < deadline
-        time.sleep(0.2)
     assert_no_leaked_blocks(cluster)
+    assert finished() - before == 12
 
 
 def assert_no_leaked_blocks(cluster: ServeCluster, timeout_s: float = 20.0) -> None:
@@ -258,7 +267,8 @@ def assert_no_leaked_blocks(cluster: ServeCluster, timeout_s: float = 20.0) -> N
         idle = (
             len(replicas) == 2
             and all(
-                r["blocks_in_use"] == 0
+                "blocks_total" in r  # a replica reports once it has stats to report
+                and r["blocks_in_use"] == 0
                 and r["blocks_free"] + r["blocks_cached"] == r["blocks_total"]
                 and r["num_running"] == r["num_waiting"] == 0
                 for r in replicas.values()
@@ -321,7 +331,11 @@ def test_round_robin_alternates(redis_server: LocalRedis, cluster: ServeCluster)
     index = BlockIndex(cluster.args.index, MODEL)
     assert index.live_replicas() == {}
     assert redis.Redis.from_url(redis_server.url).keys(f"{index.namespace}*".encode()) == []
-    with ServeCluster(cluster_args(redis_server.url, "round_robin")) as rr:
+    # a heartbeat TTL far longer than the test waits, so that only a replica's own
+    # deregistration (not expiry and reaping) can take it out of the index below
+    patient = IndexConfig(url=redis_server.url, cluster="e2e", heartbeat_ttl_s=60.0)
+    args = cluster_args(redis_server.url, "round_robin").model_copy(update={"index": patient})
+    with ServeCluster(args) as rr:
         rr_client = openai.OpenAI(base_url=f"{rr.base_url}/v1", api_key="x", max_retries=0)
         order = [chat(rr_client, SYSTEM, f"Q{i}?")[1] for i in range(6)]
         assert order[0] != order[1]
@@ -338,9 +352,20 @@ def test_round_robin_alternates(redis_server: LocalRedis, cluster: ServeCluster)
         assert ra == rb == ra2
         assert b.usage.prompt_tokens_details.cached_tokens == 0
         assert again.usage.prompt_tokens_details.cached_tokens >= 0.8 * len(system)
-        assert index.live_replicas() and redis.Redis.from_url(redis_server.url).keys(b"{ps:*")
-        # SIGTERM (systemd, Kubernetes, docker stop) is a graceful stop too: every replica
-        # deregisters and purges its blocks, as with Ctrl-C
-        rr.stop(first=signal.SIGTERM)
-        assert index.live_replicas() == {}
-        assert redis.Redis.from_url(redis_server.url).keys(f"{index.namespace}*".encode()) == []
+        # SIGTERM to a replica process (systemd stopping a unit, a pod's termination, `ray
+        # stop`) deregisters it as its interpreter exits, like a graceful shutdown
+        old = set(index.live_replicas())
+        assert len(old) == 2
+        pids = subprocess.run(
+            ["pgrep", "-f", "ray::ServeReplica:llm:EngineReplica"], capture_output=True, text=True
+        ).stdout.split()
+        assert len(pids) == 2
+        for pid in pids:
+            os.kill(int(pid), signal.SIGTERM)
+        store = redis.Redis.from_url(redis_server.url)
+        deadline = time.monotonic() + 20
+        while old & set(index.live_replicas()) or any(
+            store.exists(f"{index.namespace}:r:{rid}") for rid in old
+        ):
+            assert time.monotonic() < deadline, "a replica stopped by SIGTERM stayed registered"
+            time.sleep(0.2)

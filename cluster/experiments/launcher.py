@@ -98,22 +98,17 @@ class ServeCluster:
             raise
         return self
 
-    def stop(
-        self,
-        timeout_s: float = 60.0,
-        keep_logs: bool = False,
-        first: signal.Signals = signal.SIGINT,
-    ) -> None:
-        """SIGINT first (or ``first``: SIGTERM is what systemd, Kubernetes and ``docker
-        stop`` send): ``serve run`` then shuts Serve down gracefully and the replicas leave
-        the index. SIGTERM if that hangs, SIGKILL last.
+    def stop(self, timeout_s: float = 60.0, keep_logs: bool = False) -> None:
+        """SIGINT first: ``serve run`` then shuts Serve down gracefully (replicas run their
+        destructors and leave the index). SIGTERM if that hangs (Ray stops, destructors do
+        not run), SIGKILL last.
 
         The temporary folder (config and ``serve.log``) is removed after a graceful stop,
         and kept for a post-mortem when ``keep_logs`` is set (a failed test or run) or the
         stop was not graceful; its path is then printed on stderr."""
         graceful = True
         if self._proc is not None:
-            graceful = self._signal_until_stopped(timeout_s, first)
+            graceful = self._signal_until_stopped(timeout_s)
             self._proc = None
             if self.ray_address is None:
                 # the backstop: nothing of this Ray instance may outlive the cluster
@@ -124,16 +119,16 @@ class ServeCluster:
         elif self._dir.exists():
             shutil.rmtree(self._dir, ignore_errors=True)
 
-    def _signal_until_stopped(self, timeout_s: float, first: signal.Signals) -> bool:
-        """``first``, then SIGTERM, then SIGKILL; True if ``first`` alone stopped it cleanly."""
+    def _signal_until_stopped(self, timeout_s: float) -> bool:
+        """SIGINT, then SIGTERM, then SIGKILL; True if SIGINT alone stopped it cleanly."""
         assert self._proc is not None
-        for sig, wait_s in ((first, timeout_s), (signal.SIGTERM, 30.0)):
+        for sig, wait_s in ((signal.SIGINT, timeout_s), (signal.SIGTERM, 30.0)):
             if self._proc.poll() is not None:
                 break
             self._proc.send_signal(sig)
             try:
                 self._proc.wait(timeout=wait_s)
-                return sig == first and self._proc.returncode == 0
+                return sig == signal.SIGINT and self._proc.returncode == 0
             except subprocess.TimeoutExpired:
                 continue
         if self._proc.poll() is None:
