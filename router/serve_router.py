@@ -29,6 +29,7 @@ from router import routing_stats
 from router.bookings import Bookings, Load
 from router.config import RoutingConfig, make_policy
 from router.policies import ReplicaState, RoutingRequest
+from router.recent_routes import RecentRoutes
 
 log = logging.getLogger("ray.serve")
 
@@ -49,6 +50,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self.block_size = block_size
         self.index = BlockIndex(IndexConfig.model_validate(index or {}), model_id)
         self.bookings = Bookings()
+        self.recent = RecentRoutes()  # what this router sent where, if Redis does not answer
         self._credits: dict[str, dict[str, int]] = {}  # request -> replica -> credit tokens
         self._requests: dict[str, str] = {}  # Serve's internal request id -> ours
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -71,7 +73,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         if self.policy.uses_index:
             views = await self.index.aquery(request.block_hashes)
             routing_stats.INDEX_ANSWERS.labels("unknown" if views is None else "answered").inc()
-        states = self._states(candidate_replicas, views)
+        states = self._states(candidate_replicas, views, request.block_hashes)
         ranked = self.policy.rank(request, states)
         self._credits[request.request_id] = {
             s.replica_id: min(s.held_blocks * request.block_size, request.usable_tokens)
@@ -92,6 +94,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         if request is None:
             return
         self.policy.on_routed(request, rid)
+        self.recent.record(rid, request.block_hashes)
         self._requests[pending_request.metadata.internal_request_id] = request.request_id
         credit = self._credits.pop(request.request_id, {}).get(rid, 0)
         tokens = pending_request.args[0].prompt_token_ids
@@ -126,13 +129,19 @@ class PrefixAwareRequestRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.bookings.drop_replica(replica_id.unique_id)  # Redis purges it when reaped
+        self.recent.forget(replica_id.unique_id)
 
     def _states(
-        self, replicas: list[RunningReplica], views: dict[str, ReplicaView] | None
+        self,
+        replicas: list[RunningReplica],
+        views: dict[str, ReplicaView] | None,
+        block_hashes: list[bytes],
     ) -> list[ReplicaState]:
         """What the policy sees: Redis' view (all routers' bookings) plus this router's
-        bookings Redis has not acknowledged yet, or this router's bookings alone."""
+        bookings Redis has not acknowledged yet; without Redis' answer, this router's own
+        bookings and what it recently routed where (as predicted blocks)."""
         local = self.bookings.totals(only_unacknowledged=views is not None)
+        recent = self.recent.held(block_hashes) if views is None else {}
         states = []
         for replica in replicas:
             rid = replica.replica_id.unique_id
@@ -148,7 +157,7 @@ class PrefixAwareRequestRouter(RequestRouter):
                     booked_prefill_tokens=load.prefill_tokens,
                     booked_decode_blocks=load.decode_blocks,
                     cached_blocks=None if views is None else (view.held_blocks if view else 0),
-                    predicted_blocks=view.predicted_blocks if view else 0,
+                    predicted_blocks=view.predicted_blocks if view else recent.get(rid, 0),
                     footprint_blocks=view.footprint_blocks if view else 0,
                 )
             )
