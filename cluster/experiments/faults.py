@@ -97,8 +97,10 @@ def replica_kill(args: argparse.Namespace) -> dict[str, Any]:
         s.load(trace)
         time.sleep(args.duration_s * 0.3)
         resumes = resume_counts(s.cluster.base_url)
-        before = _busy_replicas(s)
-        # the busiest replica, so that streams are mid-generation on it when it dies
+        # the busiest replica, once one runs two requests, so that streams are
+        # mid-generation on it when it dies
+        wait_for(lambda: any(v["num_running"] >= 2 for v in s.stats().values()), 10)
+        before = s.stats()
         victim, victim_stats = max(before.items(), key=lambda kv: kv[1]["num_running"])
         os.kill(victim_stats["pid"], signal.SIGKILL)
         killed = time.monotonic()
@@ -125,16 +127,6 @@ def replica_kill(args: argparse.Namespace) -> dict[str, Any]:
             replacement_gets_traffic=bool(new_ids & served_by),
             whole_after_s=time.monotonic() - killed if replaced is not None else None,
         )
-
-
-def _busy_replicas(s: Scenario, timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
-    """Replica stats once one of them runs two requests or more (or at the timeout)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = s.stats()
-        if any(v["num_running"] >= 2 for v in stats.values()) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.1)
 
 
 def repeated_kills(args: argparse.Namespace) -> dict[str, Any]:
