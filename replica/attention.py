@@ -1,4 +1,11 @@
-"""Paged attention: keys and values live in blocks, read through each sequence's block table."""
+"""Paged attention: keys and values live in blocks, read through each sequence's block table.
+
+Two implementations of one contract. ``replica/kernels/attention.cpp`` is the one that
+serves: every query walks its keys block by block from position 0 with an online softmax,
+so its output is bitwise the same whatever else is in the step (batch-invariant). The
+pure-torch functions below are its reference: the tests compare the two, and the engine runs
+them where no kernel could be built and invariance was not asked for.
+"""
 
 from __future__ import annotations
 
@@ -7,37 +14,22 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from replica import cascade
-from replica.cascade import DecodePlan
+from replica import kernels
 
-
-@dataclass
-class PrefillSpan:
-    """A sequence computing several tokens: rows ``[start, end)`` of the step's flat batch."""
-
-    start: int
-    end: int
-    context_len: int  # tokens whose KV is in the cache once this step has written its own
-    block_table: torch.Tensor
-
-
-@dataclass
-class AttentionMetadata:
-    """Where a step's tokens write their KV and what each of them attends to.
-
-    Sequences that compute one token (decodes) are batched into one padded call, with the
-    prefix blocks some of them share attended once (``replica.cascade``); sequences
-    computing several (chunks of prompts) run one call each.
-    """
-
-    slot_mapping: torch.Tensor  # [num_tokens] flat slot = block * block_size + offset
-    prefills: list[PrefillSpan]
-    decode_rows: torch.Tensor  # [num_decodes] row of each decode token in the flat batch
-    decode_plan: DecodePlan | None  # None without decodes
+DECODE_TILE = 8  # decodes attended together (sharing the blocks they have in common)
+PREFILL_TILE = 32  # rows of one prompt chunk attended together
 
 
 class KVCache:
-    """Per layer, K and V tensors of ``[num_blocks, block_size, kv_heads, head_dim]``."""
+    """All keys and values in one tensor, block-major:
+    ``[num_blocks, num_layers, 2, kv_heads, block_size * head_dim]``.
+
+    A block holds every layer's K and V of its tokens in one contiguous region (what copying
+    or moving a block needs). Within a (block, layer, head), with ``pack`` P = 2 for bfloat16
+    (pairs, as AVX-512 BF16 dot products take them) and 1 otherwise, K element (token l,
+    dim d) is at ``((d // P) * block_size + l) * P + d % P`` and V element (l, d) at
+    ``((l // P) * head_dim + d) * P + l % P`` (the kernel's comment says why).
+    """
 
     def __init__(
         self,
@@ -48,27 +40,72 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
     ) -> None:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.block_size, self.head_dim = block_size, head_dim
+        self.pack = 2 if dtype == torch.bfloat16 else 1
+        if block_size % self.pack or head_dim % self.pack:
+            raise ValueError("bfloat16 needs an even block_size and head_dim")
+        shape = (num_blocks, num_layers, 2, num_kv_heads, block_size * head_dim)
+        self.data = torch.zeros(shape, dtype=dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy the keys and values of block ``src`` into ``dst``, in every layer (the
-        copy-on-write of a forked sequence's partial block)."""
+        """Copy block ``src`` into ``dst``, every layer's K and V (the copy-on-write of a
+        forked sequence's partial block)."""
         if not copies:
             return
         src = torch.tensor([s for s, _ in copies], dtype=torch.long)
         dst = torch.tensor([d for _, d in copies], dtype=torch.long)
-        for cache in (*self.k, *self.v):
-            cache[dst] = cache[src]
+        self.data[dst] = self.data[src]
+
+    def keys(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
+        """The keys of ``blocks`` in token order: ``[len(blocks) * block_size, kv_heads, dim]``."""
+        return self._key_view(self.data[blocks, layer, 0]).flatten(0, 1)
+
+    def values(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
+        """The values of ``blocks`` in token order, like ``keys``."""
+        return self._value_view(self.data[blocks, layer, 1]).flatten(0, 1)
+
+    def _key_view(self, k: torch.Tensor) -> torch.Tensor:
+        """``[blocks, kv, bs * dim]`` in K's layout as ``[blocks, bs, kv, dim]`` (a view)."""
+        n, kv, p = k.shape[0], k.shape[1], self.pack
+        k = k.view(n, kv, self.head_dim // p, self.block_size, p)
+        return k.permute(0, 3, 1, 2, 4).flatten(3, 4)
+
+    def _value_view(self, v: torch.Tensor) -> torch.Tensor:
+        """``[blocks, kv, bs * dim]`` in V's layout as ``[blocks, bs, kv, dim]`` (a view)."""
+        n, kv, p = v.shape[0], v.shape[1], self.pack
+        v = v.view(n, kv, self.block_size // p, self.head_dim, p)
+        return v.permute(0, 2, 4, 1, 3).flatten(1, 2)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's tokens write their KV and what each of them attends to.
+
+    Query row ``t`` of the step's flat batch belongs to sequence ``query_seq[t]`` (a row of
+    ``block_tables``) and sees that sequence's first ``query_ctx[t]`` tokens (its own
+    included). ``tile_rows[tile_starts[i]:tile_starts[i + 1]]`` are the rows attended
+    together: a tile decides what shares reads, never what a query computes.
+    """
+
+    slot_mapping: torch.Tensor  # [tokens] int64, flat slot = block * block_size + offset
+    block_tables: torch.Tensor  # [sequences, max_blocks] int32, padded with 0
+    query_seq: torch.Tensor  # [tokens] int32
+    query_ctx: torch.Tensor  # [tokens] int32
+    tile_starts: torch.Tensor  # [tiles + 1] int32
+    tile_rows: torch.Tensor  # [tokens] int32
+    use_kernel: bool = True
 
 
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: KVCache,
+    layer: int,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
     """Write this step's ``k``/``v`` into the cache, then attend through the block tables.
@@ -77,64 +114,110 @@ def paged_attention(
     that another sequence of the same step is filling (a prefix shared on arrival).
     ``q``: [tokens, heads, dim]; ``k``, ``v``: [tokens, kv_heads, dim]. Returns like ``q``.
     """
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-    out = torch.empty_like(q)
-    for span in meta.prefills:
-        keys = k_cache[span.block_table].flatten(0, 1)[: span.context_len]
-        values = v_cache[span.block_table].flatten(0, 1)[: span.context_len]
-        out[span.start : span.end] = _prefill_attention(q[span.start : span.end], keys, values)
-    if meta.decode_rows.numel():
-        assert meta.decode_plan is not None
-        out[meta.decode_rows] = _decode_attention(
-            q[meta.decode_rows], k_cache, v_cache, meta.decode_plan
+    scale = q.shape[-1] ** -0.5
+    if meta.use_kernel:
+        ops = torch.ops.prefix_serve
+        ops.write_kv(cache.data, layer, k, v, meta.slot_mapping)
+        return ops.paged_attention(
+            q,
+            cache.data,
+            layer,
+            meta.block_tables,
+            meta.query_seq,
+            meta.query_ctx,
+            meta.tile_starts,
+            meta.tile_rows,
+            scale,
         )
+    reference_write_kv(cache, layer, k, v, meta.slot_mapping)
+    return reference_attention(q, cache, layer, meta, scale)
+
+
+def reference_write_kv(
+    cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """What the kernel's ``write_kv`` does, in torch."""
+    block, offset = slots // cache.block_size, slots % cache.block_size
+    cache._key_view(cache.data[:, layer, 0])[block, offset] = k
+    cache._value_view(cache.data[:, layer, 1])[block, offset] = v
+
+
+def reference_attention(
+    q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Each sequence's queries against its keys in one masked softmax (float32, float64 for
+    a float64 model): the kernel's result up to rounding, not bitwise."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out = torch.empty_like(q)
+    group = q.shape[1] // cache.data.shape[3]
+    for s in meta.query_seq.unique().tolist():
+        rows = (meta.query_seq == s).nonzero().flatten()
+        ctx = meta.query_ctx[rows].long()
+        num_blocks = -(-int(ctx.max()) // cache.block_size)
+        blocks = meta.block_tables[s, :num_blocks].long()
+        keys = cache.keys(layer, blocks).repeat_interleave(group, 1).transpose(0, 1).to(acc)
+        values = cache.values(layer, blocks).repeat_interleave(group, 1).transpose(0, 1)
+        visible = torch.arange(keys.shape[1])[None, :] < ctx[:, None]  # [rows, keys]
+        query = q[rows].transpose(0, 1).to(acc)  # [heads, rows, dim]
+        scores = (query @ keys.transpose(1, 2)) * scale
+        weights = F.softmax(scores.masked_fill(~visible, -torch.inf), dim=-1)
+        out[rows] = (weights @ values.to(acc)).transpose(0, 1).to(q.dtype)
     return out
 
 
-def _prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """A chunk of ``n`` queries at the end of a context of ``len(keys)`` tokens.
-
-    The keys before the chunk (a cached prefix, earlier chunks) are visible to every query,
-    the chunk's own keys causally: two calls of SDPA's CPU flash kernel without a mask
-    (4x faster here than one call with the offset causal mask a chunk needs), merged
-    exactly through their log-sum-exp (``cascade.merge``). Grouped KV heads are expanded.
-    """
-    n, num_heads, head_dim = q.shape
-    first = keys.shape[0] - n
-    group = num_heads // keys.shape[1]
-    query = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
-    k = keys.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
-    v = values.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
-    scale = head_dim**-0.5
-    out, lse = cascade.flash(query, k[:, :, first:], v[:, :, first:], None, scale, causal=True)
-    if first:
-        prefix_out, prefix_lse = cascade.flash(query, k[:, :, :first], v[:, :, :first], None, scale)
-        out = cascade.merge(out.float(), lse, prefix_out.float(), prefix_lse).to(q.dtype)
-    return out[0].transpose(0, 1)
-
-
-def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan
-) -> torch.Tensor:
-    """One query token per sequence, all sequences in one padded call.
-
-    Grouped KV heads are folded instead of expanded: the query heads sharing a KV head
-    become that head's query rows (``[decodes, kv_heads, group, dim]``), so each gathered
-    key is read once rather than once per query head (3.7x faster here than SDPA's
-    ``enable_gqa`` at batch 32). Shared prefixes go through ``replica.cascade``.
-    """
-    num_decodes, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    grouped = q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    if plan.shared:
-        out = cascade.attend(grouped, k_cache, v_cache, plan, head_dim**-0.5)
-        return out.to(q.dtype).reshape(num_decodes, num_heads, head_dim)
-    keys = k_cache[plan.tail_tables].flatten(1, 2).transpose(1, 2)  # [decodes, kv, len, dim]
-    values = v_cache[plan.tail_tables].flatten(1, 2).transpose(1, 2)
-    valid = torch.arange(keys.shape[2]).unsqueeze(0) < plan.tail_lens.unsqueeze(1)
-    attended = F.scaled_dot_product_attention(
-        grouped, keys, values, attn_mask=valid[:, None, None, :]
+def build_metadata(
+    block_size: int,
+    tables: list[list[int]],
+    spans: list[tuple[int, int]],
+    use_kernel: bool,
+) -> AttentionMetadata:
+    """Metadata for a step whose sequence ``i`` computes tokens ``[first, first + n)`` given
+    as ``spans[i] = (first, n)``, its rows consecutive in the flat batch in sequence order."""
+    query_seq: list[int] = []
+    query_ctx: list[int] = []
+    slots: list[int] = []
+    for i, ((first, n), table) in enumerate(zip(spans, tables, strict=True)):
+        query_seq += [i] * n
+        query_ctx += range(first + 1, first + n + 1)
+        slots += (
+            table[p // block_size] * block_size + p % block_size for p in range(first, first + n)
+        )
+    width = max((len(t) for t in tables), default=1)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    tile_rows, tile_starts = _tiles(tables, spans)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        block_tables=torch.tensor(padded, dtype=torch.int32).view(len(tables), width),
+        query_seq=torch.tensor(query_seq, dtype=torch.int32),
+        query_ctx=torch.tensor(query_ctx, dtype=torch.int32),
+        tile_starts=torch.tensor(tile_starts, dtype=torch.int32),
+        tile_rows=torch.tensor(tile_rows, dtype=torch.int32),
+        use_kernel=use_kernel,
     )
-    return attended.reshape(num_decodes, num_heads, head_dim)
+
+
+def _tiles(tables: list[list[int]], spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """Prompt chunks in tiles of ``PREFILL_TILE`` consecutive rows; decodes grouped by the
+    first physical block of their table (those sharing a cached prefix), ``DECODE_TILE`` to a
+    tile."""
+    rows: list[int] = []
+    starts = [0]
+    by_first: dict[int, list[int]] = {}
+    row = 0
+    for (_, n), table in zip(spans, tables, strict=True):
+        if n == 1:
+            by_first.setdefault(table[0], []).append(row)
+        else:
+            for start in range(row, row + n, PREFILL_TILE):
+                rows += range(start, min(start + PREFILL_TILE, row + n))
+                starts.append(len(rows))
+        row += n
+    for members in by_first.values():
+        for start in range(0, len(members), DECODE_TILE):
+            rows += members[start : start + DECODE_TILE]
+            starts.append(len(rows))
+    return rows, starts
+
+
+def kernel_available() -> bool:
+    return kernels.available()

@@ -52,6 +52,11 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "float64", "bfloat16"] = Field(
         "float32", description="auto: bfloat16 where the CPU has native bfloat16, else float32"
     )
+    deterministic: bool = Field(
+        True,
+        description="a request's tokens do not depend on what else runs (batch, cache, "
+        "chunks); needs the C++ kernels; bfloat16 and float32 only",
+    )
     num_threads: int | None = Field(None, gt=0, description="torch threads; None = default.")
     hash_secret: str | None = Field(None, description="Cluster secret that keys block hashes.")
 
@@ -64,6 +69,8 @@ class EngineConfig(BaseModel):
             self.model_id = checkpoint.name
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs")
+        if self.deterministic and self.dtype == "float64":
+            raise ValueError("deterministic serving supports bfloat16 and float32, not float64")
         if self.max_model_len is not None and self.max_model_len > self.shape.max_position:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's context of "

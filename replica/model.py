@@ -70,8 +70,8 @@ class LlamaAttention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv_cache: KVCache,
+        layer: int,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
@@ -79,7 +79,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x).view(n, qk_heads + self.num_kv_heads, self.head_dim)
         qk = rotate(qkv[:, :qk_heads], *rope)
         q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, qk_heads:]
-        out = paged_attention(q, k, v, k_cache, v_cache, meta)
+        out = paged_attention(q, k, v, kv_cache, layer, meta)
         return self.o_proj(out.reshape(n, -1))
 
 
@@ -149,9 +149,7 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         rope = self.model.rotary.at(positions, h.dtype)
         for i, layer in enumerate(self.model.layers):
-            h = h + layer.self_attn(
-                layer.input_layernorm(h), rope, kv_cache.k[i], kv_cache.v[i], meta
-            )
+            h = h + layer.self_attn(layer.input_layernorm(h), rope, kv_cache, i, meta)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.norm(h)
 

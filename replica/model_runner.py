@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from replica.attention import AttentionMetadata, KVCache, PrefillSpan
-from replica.cascade import plan_decodes
+from replica import kernels
+from replica.attention import KVCache, build_metadata
 from replica.checkpoints import CheckpointError, checkpoint_for
 from replica.config import EngineConfig
 from replica.cpu import resolve_dtype
@@ -35,12 +35,14 @@ class ModelRunner:
                 raise CheckpointError(f"{checkpoint.name}: {exc}") from None
         self.model = model.to(dtype).eval()
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
-        pack_linears(self.model)  # after counting: packed weights are no parameters
+        # after counting: packed weights are no parameters
+        pack_linears(self.model, invariant=config.deterministic)
         m = config.shape
         self.kv_cache = KVCache(
             m.num_layers, config.num_blocks, config.block_size, m.num_kv_heads, m.head_dim, dtype
         )
         self.block_size = config.block_size
+        self.use_kernel = _use_kernel(config.deterministic)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -51,33 +53,17 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         last_rows: list[int] = []
-        prefills: list[PrefillSpan] = []
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
+        tables: list[list[int]] = []
+        spans: list[tuple[int, int]] = []
         for seq, n, rows in zip(batch.seqs, batch.num_new_tokens, batch.logit_rows, strict=True):
             start, first = len(input_ids), seq.num_computed_tokens
-            context_len = first + n
-            input_ids += seq.token_ids[first:context_len]
-            positions += range(first, context_len)
-            slots += (seq.block_table[p // bs] * bs + p % bs for p in range(first, context_len))
+            input_ids += seq.token_ids[first : first + n]
+            positions += range(first, first + n)
             last_rows += range(start + n - rows, start + n)
-            used_blocks = seq.block_table[: -(-context_len // bs)]
-            if n == 1:
-                decode_rows.append(start)
-                decode_tables.append(used_blocks)
-                decode_lens.append(context_len)
-            else:
-                table = torch.tensor(used_blocks, dtype=torch.long)
-                prefills.append(PrefillSpan(start, start + n, context_len, table))
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
-            prefills=prefills,
-            decode_rows=torch.tensor(decode_rows, dtype=torch.long),
-            decode_plan=plan_decodes(decode_tables, decode_lens, bs) if decode_tables else None,
-        )
+            tables.append(seq.block_table[: -(-(first + n) // bs)])
+            spans.append((first, n))
+        meta = build_metadata(bs, tables, spans, self.use_kernel)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long),
             torch.tensor(positions, dtype=torch.long),
@@ -85,3 +71,16 @@ class ModelRunner:
             meta,
         )
         return self.model.compute_logits(hidden[torch.tensor(last_rows, dtype=torch.long)])
+
+
+def _use_kernel(deterministic: bool) -> bool:
+    """The C++ attention serves wherever it builds; deterministic serving requires it."""
+    if deterministic:
+        try:
+            kernels.load()
+        except (kernels.KernelBuildError, OSError) as exc:
+            raise kernels.KernelBuildError(
+                f"deterministic: true needs the engine's C++ kernels, which failed here: {exc}"
+            ) from None
+        return True
+    return kernels.available()

@@ -1,0 +1,632 @@
+// Paged attention and KV-cache writes over a block-major KV cache, batch-invariant.
+//
+// Invariance is the point of this file: the output of one query depends only on that query,
+// its keys and values, and nothing else in the step. Every query walks its keys in the same
+// order, in units of up to 16 keys aligned to position 0, and folds each unit into an online
+// softmax held in float32 (float64 for a float64 model) with one fixed arithmetic (the
+// "spec" below), whether it is one decode among 32, one row of a 1,000-token prefill chunk, or
+// a decode whose first blocks another request computed. Queries are grouped into tiles, and
+// within a tile the queries that read the same block are computed together, only so that a
+// block is read while it is in cache: grouping changes what runs together, never what a query
+// computes.
+//
+// The spec, per query head and unit of n keys (lanes l < n of 16). P is the pack: 2 for
+// bfloat16 (pairs, as AVX-512 BF16's dot product takes them), 1 otherwise.
+//   s_l = 0; for i = 0..D/P-1, e = P-1..0: s_l = fma(q[Pi+e], k_l[Pi+e], s_l); s_l *= scale
+//   m' = max(m, max_l s_l); if m' != m: a = E(m - m'), sum *= a, o *= a, m = m'
+//   p_l = E(s_l - m') (0 for l >= n); sum += tree16(p); w_l = p_l rounded to the model dtype
+//   for j = 0..ceil(n/P)-1, e = P-1..0: o_d = fma(w[Pj+e], v[Pj+e]_d, o_d)
+//   out_d = o_d / sum at the end
+// where E is the polynomial exp below and tree16 adds lanes (l, l+8), (l, l+4), (l, l+2),
+// (0, 1). Two implementations follow the spec: a portable one and an AVX-512 one for
+// 16-token blocks; they agree bit for bit (a test compares them), so the portable one is
+// also the vector one's reference. AVX-512 BF16's VDPBF16PS is exactly the spec's pair step
+// (odd element first, each product exact, each add rounded), which a test also checks.
+//
+// Bit-exactness needs the compiler's help: the build uses -ffp-contract=off and every fused
+// multiply-add is written as one (std::fma or an fmadd intrinsic), so no compiler-chosen
+// contraction makes a vectorized loop and its scalar remainder round differently.
+//
+// Layout of the cache, one tensor [num_blocks, layers, 2, kv_heads, block_size * head_dim]:
+// for a (block, layer, head), K element (token l, dim d) is at ((d/P)*block_size + l)*P + d%P
+// (a unit's scores are one vector per dimension pair) and V element (l, d) at
+// ((l/P)*head_dim + d)*P + l%P. A block's keys and values of every layer are one contiguous
+// region.
+
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cfloat>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;     // keys per unit
+constexpr int kMaxGroup = 16;  // query heads per KV head
+constexpr int kMaxHeads = 24;  // query heads one AVX-512 call holds in registers
+
+// A subnormal float as zero of the same sign (what VDPBF16PS does to its inputs and results).
+inline float flush(float x) { return std::fabs(x) < FLT_MIN ? std::copysign(0.0f, x) : x; }
+
+template <typename T> struct Traits {
+  using Acc = float;
+  static constexpr int pack = 1;
+  static float mac(float a, float b, float acc) { return std::fma(a, b, acc); }
+};
+template <> struct Traits<double> {
+  using Acc = double;
+  static constexpr int pack = 1;
+  static double mac(double a, double b, double acc) { return std::fma(a, b, acc); }
+};
+template <> struct Traits<c10::BFloat16> {
+  using Acc = float;
+  static constexpr int pack = 2;
+  // one product-add step of VDPBF16PS: subnormal inputs read as zero, subnormal results
+  // flushed (checked against the instruction bit for bit by a test)
+  static float mac(float a, float b, float acc) {
+    return flush(std::fma(flush(a), flush(b), flush(acc)));
+  }
+};
+
+inline float widen(float x) { return x; }
+inline double widen(double x) { return x; }
+inline float widen(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;  // exact
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// A weight as the value products see it: rounded to the model's dtype (nearest even).
+inline float to_weight(float p, const c10::BFloat16*) { return widen(c10::BFloat16(p)); }
+inline float to_weight(float p, const float*) { return p; }
+inline double to_weight(double p, const double*) { return p; }
+
+// E(x), exp for x <= 0 (every argument here is a score minus a running maximum):
+// 2^n * p(r), r = x - n ln2, p of degree 6 (relative error ~2e-7); 0 below -87, so no result
+// is subnormal.
+constexpr float kExpLow = -87.0f;
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = -0.693359375f, kLn2Lo = 2.12194440e-4f;
+constexpr float kP0 = 1.3981999507e-3f, kP1 = 8.3334519073e-3f, kP2 = 4.1665795894e-2f,
+                kP3 = 1.6666665459e-1f, kP4 = 5.0000001201e-1f;
+
+inline float exp_spec(float x) {
+  const float xc = x < kExpLow ? kExpLow : x;
+  const float n = std::floor(std::fma(xc, kLog2e, 0.5f));
+  float r = std::fma(n, kLn2Hi, xc);
+  r = std::fma(n, kLn2Lo, r);
+  float p = std::fma(kP0, r, kP1);
+  p = std::fma(p, r, kP2);
+  p = std::fma(p, r, kP3);
+  p = std::fma(p, r, kP4);
+  p = std::fma(p, r * r, r) + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < kExpLow ? 0.0f : p * scale;
+}
+
+inline double exp_spec(double x) { return x < -700.0 ? 0.0 : std::exp(x); }
+
+template <typename A> inline A tree16(const A* p) {
+  A t8[8], t4[4];
+  for (int i = 0; i < 8; ++i) t8[i] = p[i] + p[i + 8];
+  for (int i = 0; i < 4; ++i) t4[i] = t8[i] + t8[i + 4];
+  return (t4[0] + t4[2]) + (t4[1] + t4[3]);
+}
+
+struct Geometry {
+  int64_t heads, kv_heads, group, head_dim, block_size;
+  int64_t block_stride;  // elements from one block to the next (all layers, K and V)
+  int64_t kv_offset;     // elements from a block's K of this layer to its V
+  int64_t head_stride;   // elements from one KV head to the next
+};
+
+// Online-softmax state of one query's heads for one KV head (G heads).
+template <typename T> struct QueryState {
+  using A = typename Traits<T>::Acc;
+  const T* q;  // [G] rows of head_dim, in the model's dtype
+  int64_t q_head;
+  A* o;        // [G][D]
+  A* max;      // [G]
+  A* sum;      // [G]
+};
+
+// ---- the portable implementation (the spec, query by query) ----
+
+template <typename T, typename A = typename Traits<T>::Acc>
+void scores_portable(const T* q, const T* k, int64_t n, const Geometry& g, A scale, A* s) {
+  constexpr int P = Traits<T>::pack;
+  for (int l = 0; l < kLanes; ++l) s[l] = 0;
+  for (int64_t i = 0; i < g.head_dim / P; ++i) {
+    const T* ki = k + i * g.block_size * P;
+    for (int e = P - 1; e >= 0; --e) {
+      const A qd = widen(q[i * P + e]);
+      for (int64_t l = 0; l < n; ++l) s[l] = Traits<T>::mac(qd, widen(ki[l * P + e]), s[l]);
+    }
+  }
+  for (int l = 0; l < kLanes; ++l) {
+    s[l] = l < n ? s[l] * scale : -std::numeric_limits<A>::infinity();
+  }
+}
+
+template <typename T, typename A = typename Traits<T>::Acc>
+void fold_portable(A* s, const T* v, int64_t n, int64_t dim, A& max, A& sum, A* o) {
+  constexpr int P = Traits<T>::pack;
+  A unit_max = -std::numeric_limits<A>::infinity();
+  for (int l = 0; l < kLanes; ++l) unit_max = s[l] > unit_max ? s[l] : unit_max;
+  const A new_max = unit_max > max ? unit_max : max;
+  if (new_max != max) {
+    const A a = exp_spec(max - new_max);
+    sum = sum * a;
+    for (int64_t d = 0; d < dim; ++d) o[d] = o[d] * a;
+    max = new_max;
+  }
+  for (int l = 0; l < kLanes; ++l) s[l] = l < n ? exp_spec(s[l] - new_max) : A(0);
+  sum = sum + tree16(s);
+  for (int l = 0; l < kLanes; ++l) s[l] = to_weight(s[l], v);
+  for (int64_t j = 0; j < (n + P - 1) / P; ++j) {
+    const T* vj = v + j * dim * P;
+    for (int e = P - 1; e >= 0; --e) {
+      const A w = s[j * P + e];
+      for (int64_t d = 0; d < dim; ++d) o[d] = Traits<T>::mac(w, widen(vj[d * P + e]), o[d]);
+    }
+  }
+}
+
+template <typename T>
+void unit_portable(QueryState<T>* states, const int64_t* n, int count, const T* k, const T* v,
+                   typename Traits<T>::Acc scale, const Geometry& g) {
+  typename Traits<T>::Acc s[kLanes];
+  for (int i = 0; i < count; ++i) {
+    QueryState<T>& st = states[i];
+    for (int64_t h = 0; h < g.group; ++h) {
+      scores_portable<T>(st.q + h * st.q_head, k, n[i], g, scale, s);
+      fold_portable<T>(s, v, n[i], g.head_dim, st.max[h], st.sum[h], st.o + h * g.head_dim);
+    }
+  }
+}
+
+// ---- the AVX-512 implementation (16-token blocks) ----
+#if defined(__AVX512F__)
+
+// exp_spec, lane by lane, with the same operations in the same order.
+inline __m512 exp16(__m512 x) {
+  const __m512 low = _mm512_set1_ps(kExpLow);
+  const __mmask16 under = _mm512_cmp_ps_mask(x, low, _CMP_LT_OQ);
+  const __m512 xc = _mm512_mask_blend_ps(under, x, low);
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(xc, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(kLn2Hi), xc);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(kP0), r, _mm512_set1_ps(kP1));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP4));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __m512 out = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), out);
+}
+
+// tree16, lane by lane: (l, l+8), (l, l+4), (l, l+2), (0, 1).
+inline float tree16(__m512 p) {
+  const __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(p),
+                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1)));
+  const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+  const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));  // (t4[0]+t4[2], t4[1]+t4[3])
+  return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));
+}
+
+template <typename T> struct Vec;
+
+template <> struct Vec<float> {
+  static constexpr bool enabled = true;
+  // s += q . k for the dimension(s) at step i: q broadcast, k a row of 16 keys
+  static __m512 qk(__m512 acc, const float* q, int64_t i, const float* k) {
+    return _mm512_fmadd_ps(_mm512_set1_ps(q[i]), _mm512_loadu_ps(k + i * kLanes), acc);
+  }
+  static constexpr int64_t qk_steps(int64_t dim) { return dim; }
+  using Weights = float;
+  static void weights(__m512 p, float* w) { _mm512_storeu_ps(w, p); }
+  // o += w_j . v_j for the key(s) of step j, over 16 dimensions at c
+  static __m512 pv(__m512 o, const float* w, int64_t j, const float* v, int64_t dim, int64_t c) {
+    return _mm512_fmadd_ps(_mm512_set1_ps(w[j]), _mm512_loadu_ps(v + j * dim + c), o);
+  }
+  static constexpr int64_t pv_steps(int64_t n) { return n; }
+};
+
+#if defined(__AVX512BF16__)
+template <> struct Vec<c10::BFloat16> {
+  static constexpr bool enabled = true;
+  static __m512 pair(const c10::BFloat16* p) {
+    int32_t bits;
+    std::memcpy(&bits, p, sizeof(bits));
+    return _mm512_castsi512_ps(_mm512_set1_epi32(bits));
+  }
+  static __m512 qk(__m512 acc, const c10::BFloat16* q, int64_t i, const c10::BFloat16* k) {
+    const __m512i keys = _mm512_loadu_si512(k + i * kLanes * 2);
+    return _mm512_dpbf16_ps(acc, (__m512bh)pair(q + 2 * i), (__m512bh)keys);
+  }
+  static constexpr int64_t qk_steps(int64_t dim) { return dim / 2; }
+  using Weights = c10::BFloat16;
+  static void weights(__m512 p, c10::BFloat16* w) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w), (__m256i)_mm512_cvtneps_pbh(p));
+  }
+  static __m512 pv(__m512 o, const c10::BFloat16* w, int64_t j, const c10::BFloat16* v,
+                   int64_t dim, int64_t c) {
+    const __m512i values = _mm512_loadu_si512(v + (j * dim + c) * 2);
+    return _mm512_dpbf16_ps(o, (__m512bh)pair(w + 2 * j), (__m512bh)values);
+  }
+  static constexpr int64_t pv_steps(int64_t n) { return (n + 1) / 2; }
+};
+#else
+template <> struct Vec<c10::BFloat16> { static constexpr bool enabled = false; };
+#endif
+template <> struct Vec<double> { static constexpr bool enabled = false; };
+
+// One 16-token block for H query heads (queries x group heads), all reading the same keys
+// and values: each K row and V row is loaded once for all of them. H is a compile-time
+// constant so that the accumulators stay in registers.
+template <typename T, int H>
+void unit_avx512(QueryState<T>* states, const int64_t* n, const T* k, const T* v, float scale,
+                 const Geometry& g) {
+  using V = Vec<T>;
+  const int64_t G = g.group, D = g.head_dim;
+  const T* q[H];
+  float* o_of[H];
+  int64_t n_of[H];
+  for (int x = 0; x < H; ++x) {
+    q[x] = states[x / G].q + (x % G) * states[x / G].q_head;
+    o_of[x] = states[x / G].o + (x % G) * D;
+    n_of[x] = n[x / G];
+  }
+  __m512 acc[H];
+  for (int x = 0; x < H; ++x) acc[x] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < V::qk_steps(D); ++i) {
+    for (int x = 0; x < H; ++x) acc[x] = V::qk(acc[x], q[x], i, k);
+  }
+  alignas(64) typename V::Weights w[H][kLanes];
+  int64_t most = 0;
+  for (int x = 0; x < H; ++x) {
+    QueryState<T>& st = states[x / G];
+    const int64_t h = x % G;
+    most = std::max(most, n_of[x]);
+    const __mmask16 valid = static_cast<__mmask16>((1u << n_of[x]) - 1u);
+    const __m512 s = _mm512_mask_blend_ps(
+        valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
+        _mm512_mul_ps(acc[x], _mm512_set1_ps(scale)));
+    const float unit_max = _mm512_reduce_max_ps(s);  // a max is exact in any order
+    const float new_max = unit_max > st.max[h] ? unit_max : st.max[h];
+    if (new_max != st.max[h]) {
+      const float a = exp_spec(st.max[h] - new_max);
+      st.sum[h] = st.sum[h] * a;
+      for (int64_t d = 0; d < D; d += kLanes) {
+        _mm512_storeu_ps(o_of[x] + d,
+                         _mm512_mul_ps(_mm512_loadu_ps(o_of[x] + d), _mm512_set1_ps(a)));
+      }
+      st.max[h] = new_max;
+    }
+    const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+    st.sum[h] = st.sum[h] + tree16(p);
+    V::weights(p, w[x]);
+  }
+  for (int64_t c = 0; c < D; c += kLanes) {
+    __m512 o[H];
+    for (int x = 0; x < H; ++x) o[x] = _mm512_loadu_ps(o_of[x] + c);
+    for (int64_t j = 0; j < V::pv_steps(most); ++j) {
+      for (int x = 0; x < H; ++x) {
+        // steps past this query's keys are skipped, as in the spec
+        if (j < V::pv_steps(n_of[x])) o[x] = V::pv(o[x], w[x], j, v, D, c);
+      }
+    }
+    for (int x = 0; x < H; ++x) _mm512_storeu_ps(o_of[x] + c, o[x]);
+  }
+}
+
+template <typename T, int... Hs>
+constexpr auto avx512_table(std::integer_sequence<int, Hs...>) {
+  using Fn = void (*)(QueryState<T>*, const int64_t*, const T*, const T*, float,
+                      const Geometry&);
+  return std::array<Fn, sizeof...(Hs)>{&unit_avx512<T, Hs + 1>...};
+}
+
+template <typename T>
+void unit_avx512_any(QueryState<T>* states, const int64_t* n, int count, const T* k,
+                     const T* v, float scale, const Geometry& g) {
+  static constexpr auto table = avx512_table<T>(std::make_integer_sequence<int, kMaxHeads>{});
+  table[count * g.group - 1](states, n, k, v, scale, g);
+}
+#endif
+
+template <typename T> struct Kernel {
+  using A = typename Traits<T>::Acc;
+  bool vector = false;  // the AVX-512 path: 16-token blocks, head_dim a multiple of 32
+  int per_call = 1;     // queries one unit call takes
+
+  Kernel(const Geometry& g, bool allow_vector) {
+#if defined(__AVX512F__)
+    if constexpr (Vec<T>::enabled) {
+      vector = allow_vector && g.block_size == kLanes && g.head_dim % (2 * kLanes) == 0 &&
+               g.group <= kMaxHeads;
+      if (vector) per_call = static_cast<int>(kMaxHeads / g.group);
+    }
+#endif
+  }
+
+  void unit(QueryState<T>* states, const int64_t* n, int count, const T* k, const T* v,
+            A scale, const Geometry& g) const {
+#if defined(__AVX512F__)
+    if constexpr (Vec<T>::enabled) {
+      if (vector) return unit_avx512_any<T>(states, n, count, k, v, scale, g);
+    }
+#endif
+    unit_portable<T>(states, n, count, k, v, scale, g);
+  }
+};
+
+struct Step {
+  const int32_t* tables;
+  int64_t table_stride;
+  const int32_t* seq;
+  const int32_t* ctx;
+};
+
+// Ask for the K and V of the unit at key `start` of each query that reaches it, while the
+// current unit computes: blocks sit anywhere in the pool, where no hardware prefetcher looks.
+template <typename T>
+void prefetch_next(const Geometry& g, const Step& step, const T* kv_layer, const int32_t* rows,
+                   int count, int64_t start, int64_t kvh) {
+  const int64_t b = start / g.block_size;
+  if (start % g.block_size != 0) return;  // the same block as the unit before
+  const int64_t bytes = g.block_size * g.head_dim * static_cast<int64_t>(sizeof(T));
+  int64_t last = -1;
+  for (int i = 0; i < count; ++i) {
+    if (step.ctx[rows[i]] <= start) continue;
+    const int64_t block = step.tables[step.seq[rows[i]] * step.table_stride + b];
+    if (block == last) continue;
+    last = block;
+    const char* k = reinterpret_cast<const char*>(kv_layer + block * g.block_stride +
+                                                  kvh * g.head_stride);
+    const char* v = k + g.kv_offset * static_cast<int64_t>(sizeof(T));
+    for (int64_t off = 0; off < bytes; off += 64) {
+      __builtin_prefetch(k + off);
+      __builtin_prefetch(v + off);
+    }
+  }
+}
+
+// One tile of queries against one KV head: unit by unit from position 0; at each unit, the
+// queries reading the same physical block go through one call.
+template <typename T>
+void run_tile(const Kernel<T>& kernel, const Geometry& g, const Step& step, const T* kv_layer,
+              const T* q, int64_t q_tok, int64_t q_head, T* out, const int32_t* rows, int count,
+              int64_t kvh, typename Traits<T>::Acc scale) {
+  using A = typename Traits<T>::Acc;
+  const int64_t G = g.group, D = g.head_dim, bs = g.block_size;
+  const int64_t unit = std::min<int64_t>(bs, kLanes);
+  const int64_t per_query = G * (D + 2);
+  std::vector<A> store(static_cast<size_t>(count * per_query));
+  std::vector<QueryState<T>> states(static_cast<size_t>(count));
+  int64_t max_ctx = 0;
+  for (int i = 0; i < count; ++i) {
+    A* base = store.data() + i * per_query;
+    states[i] = QueryState<T>{q + rows[i] * q_tok + kvh * G * q_head, q_head, base,
+                              base + G * D, base + G * D + G};
+    std::fill(base, base + G * D, A(0));
+    std::fill(states[i].max, states[i].max + G, -std::numeric_limits<A>::infinity());
+    std::fill(states[i].sum, states[i].sum + G, A(0));
+    max_ctx = std::max<int64_t>(max_ctx, step.ctx[rows[i]]);
+  }
+  std::vector<QueryState<T>> batch(static_cast<size_t>(kernel.per_call));
+  std::vector<int64_t> counts(static_cast<size_t>(kernel.per_call));
+  std::vector<int64_t> blocks(static_cast<size_t>(count));
+  std::vector<char> done(static_cast<size_t>(count));
+  for (int64_t start = 0; start < max_ctx; start += unit) {
+    const int64_t b = start / bs, within = start % bs;
+    for (int i = 0; i < count; ++i) {
+      done[i] = step.ctx[rows[i]] <= start;
+      blocks[i] = done[i] ? -1 : step.tables[step.seq[rows[i]] * step.table_stride + b];
+    }
+    prefetch_next(g, step, kv_layer, rows, count, start + unit, kvh);
+    for (int i = 0; i < count; ++i) {
+      if (done[i]) continue;
+      int taken = 0;
+      for (int j = i; j < count && taken < kernel.per_call; ++j) {
+        if (done[j] || blocks[j] != blocks[i]) continue;
+        batch[taken] = states[j];
+        counts[taken++] = std::min<int64_t>(unit, step.ctx[rows[j]] - start);
+        done[j] = 1;
+      }
+      const T* block = kv_layer + blocks[i] * g.block_stride + kvh * g.head_stride;
+      const int64_t P = Traits<T>::pack;
+      kernel.unit(batch.data(), counts.data(), taken, block + within * P,
+                  block + g.kv_offset + within * D, scale, g);
+    }
+  }
+  for (int i = 0; i < count; ++i) {
+    for (int64_t h = 0; h < G; ++h) {
+      T* o = out + (rows[i] * g.heads + kvh * G + h) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        o[d] = static_cast<T>(states[i].o[h * D + d] / states[i].sum[h]);
+      }
+    }
+  }
+}
+
+// Run fn(item) for items [0, n) on the intra-op threads, largest first (cost[item]), each
+// thread taking the next one when free: tiles of one long prompt differ a lot in cost.
+template <typename Fn>
+void parallel_by_cost(const std::vector<int64_t>& cost, const Fn& fn) {
+  const int64_t n = static_cast<int64_t>(cost.size());
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(n, at::get_num_threads());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < n; i = next++) fn(order[i]);
+  });
+}
+
+template <typename T>
+void attention_impl(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
+                    const at::Tensor& block_tables, const at::Tensor& query_seq,
+                    const at::Tensor& query_ctx, const at::Tensor& tile_starts,
+                    const at::Tensor& tile_rows, double scale, bool allow_vector,
+                    at::Tensor& out) {
+  Geometry g;
+  g.heads = q.size(1);
+  g.head_dim = q.size(2);
+  g.kv_heads = kv.size(3);
+  g.group = g.heads / g.kv_heads;
+  g.block_size = kv.size(4) / g.head_dim;
+  g.block_stride = kv.stride(0);
+  g.kv_offset = kv.stride(2);
+  g.head_stride = kv.stride(3);
+  const Kernel<T> kernel(g, allow_vector);
+  const Step step{block_tables.data_ptr<int32_t>(), block_tables.stride(0),
+                  query_seq.data_ptr<int32_t>(), query_ctx.data_ptr<int32_t>()};
+  const T* kv_layer = kv.data_ptr<T>() + layer * kv.stride(1);
+  const int32_t* starts = tile_starts.data_ptr<int32_t>();
+  const int32_t* rows = tile_rows.data_ptr<int32_t>();
+  const int64_t num_tiles = tile_starts.size(0) - 1;
+  std::vector<int64_t> cost(static_cast<size_t>(num_tiles * g.kv_heads));
+  for (int64_t tile = 0; tile < num_tiles; ++tile) {
+    int64_t keys = 0;
+    for (int32_t r = starts[tile]; r < starts[tile + 1]; ++r) keys += step.ctx[rows[r]];
+    for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) cost[tile * g.kv_heads + kvh] = keys;
+  }
+  const auto a_scale = static_cast<typename Traits<T>::Acc>(scale);
+  parallel_by_cost(cost, [&](int64_t item) {
+    const int64_t tile = item / g.kv_heads, kvh = item % g.kv_heads;
+    run_tile<T>(kernel, g, step, kv_layer, q.data_ptr<T>(), q.stride(0), q.stride(1),
+                out.data_ptr<T>(), rows + starts[tile], starts[tile + 1] - starts[tile], kvh,
+                a_scale);
+  });
+}
+
+void check_attention_args(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
+                          const at::Tensor& block_tables, const at::Tensor& query_seq,
+                          const at::Tensor& query_ctx, const at::Tensor& tile_starts,
+                          const at::Tensor& tile_rows) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [tokens, heads, head_dim]");
+  TORCH_CHECK(kv.dim() == 5 && kv.is_contiguous(), "kv must be a contiguous 5-d cache");
+  TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv must share a dtype");
+  TORCH_CHECK(layer >= 0 && layer < kv.size(1), "layer out of range");
+  const int64_t heads = q.size(1), kv_heads = kv.size(3);
+  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup, "bad head grouping");
+  TORCH_CHECK(kv.size(4) % q.size(2) == 0, "kv's last dim must be block_size * head_dim");
+  const int64_t bs = kv.size(4) / q.size(2);
+  TORCH_CHECK(bs % 2 == 0 && (bs <= kLanes || bs % kLanes == 0),
+              "block_size must be even and at most 16, or a multiple of 16");
+  TORCH_CHECK(q.size(2) % 2 == 0, "head_dim must be even");
+  for (const auto* t : {&block_tables, &query_seq, &query_ctx, &tile_starts, &tile_rows}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "index tensors: int32");
+  }
+  TORCH_CHECK(query_seq.size(0) == q.size(0) && query_ctx.size(0) == q.size(0),
+              "one sequence and one context length per query");
+  TORCH_CHECK(tile_rows.size(0) == q.size(0), "tiles must cover every query once");
+}
+
+template <typename Fn> void dispatch(at::ScalarType type, const char* name, const Fn& fn) {
+  switch (type) {
+    case at::kFloat: fn(float{}); break;
+    case at::kDouble: fn(double{}); break;
+    case at::kBFloat16: fn(c10::BFloat16{}); break;
+    default: TORCH_CHECK(false, name, ": unsupported dtype ", type);
+  }
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
+                           const at::Tensor& block_tables, const at::Tensor& query_seq,
+                           const at::Tensor& query_ctx, const at::Tensor& tile_starts,
+                           const at::Tensor& tile_rows, double scale, bool vector) {
+  check_attention_args(q, kv, layer, block_tables, query_seq, query_ctx, tile_starts, tile_rows);
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  dispatch(q.scalar_type(), "paged_attention", [&](auto zero) {
+    using T = decltype(zero);
+    attention_impl<T>(q, kv, layer, block_tables, query_seq, query_ctx, tile_starts, tile_rows,
+                      scale, vector, out);
+  });
+  return out;
+}
+
+template <typename T>
+void write_kv_impl(at::Tensor& kv, int64_t layer, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& slots) {
+  constexpr int64_t P = Traits<T>::pack;
+  const int64_t tokens = k.size(0), kv_heads = k.size(1), dim = k.size(2);
+  const int64_t bs = kv.size(4) / dim;
+  T* base = kv.data_ptr<T>() + layer * kv.stride(1);
+  const int64_t block_stride = kv.stride(0), kv_offset = kv.stride(2), head_stride = kv.stride(3);
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t k_tok = k.stride(0), k_head = k.stride(1);
+  const int64_t v_tok = v.stride(0), v_head = v.stride(1);
+  at::parallel_for(0, tokens * kv_heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / kv_heads, h = item % kv_heads;
+      const int64_t block = slot[t] / bs, l = slot[t] % bs;
+      T* kdst = base + block * block_stride + h * head_stride;
+      T* vdst = kdst + kv_offset;
+      const T* ksrc = kp + t * k_tok + h * k_head;
+      const T* vsrc = vp + t * v_tok + h * v_head;
+      for (int64_t d = 0; d < dim; ++d) {
+        kdst[((d / P) * bs + l) * P + d % P] = ksrc[d];
+        vdst[((l / P) * dim + d) * P + l % P] = vsrc[d];
+      }
+    }
+  });
+}
+
+void write_kv(at::Tensor kv, int64_t layer, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slots) {
+  TORCH_CHECK(kv.dim() == 5 && kv.is_contiguous(), "kv must be a contiguous 5-d cache");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes(), "k, v: [tokens, heads, dim]");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k and v rows must be contiguous");
+  TORCH_CHECK(k.scalar_type() == kv.scalar_type() && v.scalar_type() == kv.scalar_type(),
+              "k, v and kv must share a dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "slots: int64");
+  TORCH_CHECK(slots.size(0) == k.size(0), "one slot per token");
+  TORCH_CHECK(layer >= 0 && layer < kv.size(1), "layer out of range");
+  dispatch(kv.scalar_type(), "write_kv", [&](auto zero) {
+    using T = decltype(zero);
+    write_kv_impl<T>(kv, layer, k, v, slots);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(prefix_serve, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor kv, int layer, Tensor block_tables, Tensor query_seq, "
+      "Tensor query_ctx, Tensor tile_starts, Tensor tile_rows, float scale, bool vector=True) "
+      "-> Tensor");
+  m.def("write_kv(Tensor(a!) kv, int layer, Tensor k, Tensor v, Tensor slots) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(prefix_serve, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv", &write_kv);
+}
