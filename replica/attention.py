@@ -137,9 +137,14 @@ def reference_write_kv(
     cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
 ) -> None:
     """What the kernel's ``write_kv`` does, in torch."""
-    block, offset = slots // cache.block_size, slots % cache.block_size
-    cache._key_view(cache.data[:, layer, 0])[block, offset] = k
-    cache._value_view(cache.data[:, layer, 1])[block, offset] = v
+    p, bs, dim = cache.pack, cache.block_size, cache.head_dim
+    block, offset = (slots // bs)[:, None, None], (slots % bs)[:, None, None]
+    heads = torch.arange(k.shape[1])[None, :, None]
+    d = torch.arange(dim)[None, None, :]
+    keys = cache.data[:, layer, 0].view(-1, k.shape[1], dim // p, bs, p)
+    values = cache.data[:, layer, 1].view(-1, k.shape[1], bs // p, dim, p)
+    keys[block, heads, d // p, offset, d % p] = k
+    values[block, heads, offset // p, d, offset % p] = v
 
 
 def reference_attention(

@@ -3,16 +3,11 @@ client gets exactly the text and token count it gets without a failure."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import threading
-import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 from conftest import keep_logs
+from streams import resumed, run_streams
 from test_serve_e2e import assert_no_leaked_blocks
 
 from cluster.config import ClusterArgs
@@ -46,12 +41,9 @@ def cluster(redis_server: LocalRedis, request: pytest.FixtureRequest) -> Iterato
     c.stop(keep_logs=keep_logs(request, failed))
 
 
-class Stream(threading.Thread):
-    """One streaming chat request, read chunk by chunk in its own thread."""
-
-    def __init__(self, base_url: str, i: int) -> None:
-        super().__init__(daemon=True)
-        self.body = {
+def bodies() -> list[dict]:
+    return [
+        {
             "model": MODEL,
             "messages": [
                 {"role": "system", "content": SYSTEM},
@@ -59,74 +51,17 @@ class Stream(threading.Thread):
             ],
             "max_tokens": 600,
             "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
             **REQUESTS[i],
         }
-        self.url = f"{base_url}/v1/chat/completions"
-        self.pieces: list[str] = []
-        self.usage: dict | None = None
-        self.replica = ""
-        self.errors: list[dict] = []
-
-    def run(self) -> None:
-        with httpx.stream("POST", self.url, json=self.body, timeout=120) as resp:
-            self.replica = resp.headers["x-replica-id"]
-            for line in resp.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    self.errors.append(chunk["error"])
-                elif chunk.get("usage"):
-                    self.usage = chunk["usage"]
-                elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                    self.pieces.append(chunk["choices"][0]["delta"]["content"])
-
-
-def replica_pids(cluster: ServeCluster) -> dict[str, int]:
-    """Every replica's process id, once Serve has pushed their stats (a stats period)."""
-    deadline = time.monotonic() + 30
-    while True:
-        replicas = cluster.stats()["replicas"]
-        if len(replicas) == 2 and all("pid" in r for r in replicas.values()):
-            return {rid: r["pid"] for rid, r in replicas.items()}
-        assert time.monotonic() < deadline, replicas
-        time.sleep(0.2)
-
-
-def run_streams(cluster: ServeCluster, kill: bool) -> tuple[list[Stream], str | None]:
-    pids = replica_pids(cluster)
-    streams = [Stream(cluster.base_url, i) for i in range(len(REQUESTS))]
-    for s in streams:
-        s.start()
-    victim = None
-    if kill:
-        deadline = time.monotonic() + 60
-        while min(len(s.pieces) for s in streams) < 5:  # every stream is mid-generation
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
-        victim = max(set(pids), key=lambda rid: sum(s.replica == rid for s in streams))
-        os.kill(pids[victim], signal.SIGKILL)
-    for s in streams:
-        s.join(120)
-    return streams, victim
-
-
-def resumed(cluster: ServeCluster) -> float:
-    text = httpx.get(f"{cluster.base_url}/metrics").text
-    return sum(
-        float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith("prefix_serve_resumed_requests_total") and "resumed" in line
-    )
+        for i in range(len(REQUESTS))
+    ]
 
 
 def test_streams_on_a_killed_replica_resume_token_for_token(cluster: ServeCluster) -> None:
-    reference, _ = run_streams(cluster, kill=False)
+    reference, _ = run_streams(cluster, bodies(), kill=False)
     assert all(s.usage and s.usage["completion_tokens"] == 600 for s in reference)
     before = resumed(cluster)
-    streams, victim = run_streams(cluster, kill=True)
+    streams, victim = run_streams(cluster, bodies(), kill=True)
     on_victim = [s for s in streams if s.replica == victim]
     assert len(on_victim) >= 4  # the test means something: most streams were there
     for got, want in zip(streams, reference, strict=True):

@@ -1,5 +1,7 @@
-"""The quick start, for real: the default config (SmolLM2-135M-Instruct, 2 replicas) under
-`serve run`, and the README's openai SDK snippet run as written, against it.
+"""The quick start, for real: the default config (SmolLM2-135M-Instruct, 2 replicas, bfloat16
+where the CPU has it, deterministic serving) under `serve run`, the README's openai SDK snippet
+run as written against it, and `temperature: 0` reproducible: the same greedy streams sent
+twice give the same texts, and with the busiest replica SIGKILLed mid-stream too.
 
 Only the ports differ from `make serve`: the HTTP port is a free one and the index uses a
 test redis-server, so the test never touches a cluster a person is running.
@@ -18,8 +20,10 @@ import openai
 import pytest
 import yaml
 from conftest import keep_logs
+from streams import resumed, run_streams
 
 from cluster.config import ClusterArgs
+from cluster.experiments.assistant_prompts import SUPPORT_SYSTEM_PROMPT
 from cluster.experiments.launcher import ServeCluster
 from cluster.experiments.redis_server import LocalRedis
 from replica.checkpoints import SMOLLM2
@@ -104,3 +108,63 @@ def test_bad_input_on_the_real_model_gets_an_openai_error(
     if code is not None:
         assert error["code"] == code
     assert "Traceback" not in resp.text
+
+
+TOPICS = [
+    "a lost tent",
+    "a stove",
+    "a parcel",
+    "a refund",
+    "a size",
+    "a warranty",
+    "a storm",
+    "a map",
+]
+
+
+def story_bodies() -> list[dict]:
+    """8 greedy chats of 160 tokens sharing a ~600-token system prompt."""
+    return [
+        {
+            "model": SMOLLM2,
+            "messages": [
+                {"role": "system", "content": SUPPORT_SYSTEM_PROMPT},
+                {"role": "user", "content": f"Tell me a short story about {topic}."},
+            ],
+            "max_tokens": 160,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+        for topic in TOPICS
+    ]
+
+
+@pytest.fixture(scope="module")
+def undisturbed(cluster: ServeCluster) -> list[str]:
+    streams, _ = run_streams(cluster, story_bodies(), kill=False)
+    assert all(s.errors == [] and s.usage["completion_tokens"] == 160 for s in streams)
+    return [s.text for s in streams]
+
+
+def test_the_same_greedy_requests_sent_twice_give_identical_texts(
+    cluster: ServeCluster, undisturbed: list[str]
+) -> None:
+    """Batched differently, with the system prompt cached this time: the same texts."""
+    streams, _ = run_streams(cluster, story_bodies(), kill=False)
+    assert [s.text for s in streams] == undisturbed
+    assert len(set(undisturbed)) == len(undisturbed)  # eight different stories
+
+
+def test_a_replica_killed_mid_stream_changes_no_client_text(
+    cluster: ServeCluster, undisturbed: list[str]
+) -> None:
+    """Last in this module: it kills a replica (Serve replaces it)."""
+    before = resumed(cluster)
+    streams, victim = run_streams(cluster, story_bodies(), kill=True)
+    on_victim = [s for s in streams if s.replica == victim]
+    assert on_victim  # the kill hit streams in flight
+    for got, want in zip(streams, undisturbed, strict=True):
+        assert got.errors == []
+        assert got.text == want
+        assert got.usage is not None and got.usage["completion_tokens"] == 160
+    assert resumed(cluster) - before >= len(on_victim)

@@ -12,14 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from chat_prompts import chat_prompts
 from transformers import DynamicCache, LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
-from cluster.experiments.assistant_prompts import (
-    LONG_DOCUMENT,
-    SUPPORT_QUESTIONS,
-    SUPPORT_SYSTEM_PROMPT,
-)
 from replica.checkpoints import SMOLLM2, checkpoint_for
 from replica.engine import Engine, EngineConfig, SamplingParams
 from replica.hf_checkpoint import hf_config
@@ -29,16 +25,6 @@ from replica.scheduler import ScheduledBatch
 NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
 LOGIT_TOLERANCE = 1e-3
-CONVERSATIONS = [
-    ("You are terse.", "What is the capital of France?"),
-    (SUPPORT_SYSTEM_PROMPT, SUPPORT_QUESTIONS[0]),
-    (SUPPORT_SYSTEM_PROMPT, SUPPORT_QUESTIONS[4]),
-    (SUPPORT_SYSTEM_PROMPT, "Summarise this report:\n" + LONG_DOCUMENT * 3),  # > 1,000 tokens
-    ("Réponds en français, avec des émojis 🇫🇷🏔️.", "Qu'est-ce que 日本の富士山 ? 🗻"),
-    ("You write Python.", "Write a function that reverses a string."),
-    ("Be helpful.", "List three colours."),
-    ("Ты полезный помощник.", "Сколько будет 2 + 2? Ответь кратко."),
-]
 
 
 class Recording:
@@ -68,13 +54,7 @@ def checkpoint():
 
 @pytest.fixture(scope="module")
 def prompts(checkpoint) -> list[list[int]]:
-    tok = checkpoint.tokenizer()
-    return [
-        tok.encode_chat(
-            tok.render_chat([{"role": "system", "content": s}, {"role": "user", "content": q}])
-        )
-        for s, q in CONVERSATIONS
-    ]
+    return chat_prompts(checkpoint.tokenizer())
 
 
 @pytest.fixture(scope="module")

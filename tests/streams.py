@@ -1,0 +1,89 @@
+"""Concurrent streaming chat requests against a real cluster, and killing the busiest replica
+mid-stream: what the failover tests share."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import httpx
+
+from cluster.experiments.launcher import ServeCluster
+
+
+class Stream(threading.Thread):
+    """One streaming chat request, read chunk by chunk in its own thread."""
+
+    def __init__(self, base_url: str, body: dict[str, Any]) -> None:
+        super().__init__(daemon=True)
+        self.body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        self.url = f"{base_url}/v1/chat/completions"
+        self.pieces: list[str] = []
+        self.usage: dict | None = None
+        self.replica = ""
+        self.errors: list[dict] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def run(self) -> None:
+        with httpx.stream("POST", self.url, json=self.body, timeout=300) as resp:
+            self.replica = resp.headers["x-replica-id"]
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    self.errors.append(chunk["error"])
+                elif chunk.get("usage"):
+                    self.usage = chunk["usage"]
+                elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    self.pieces.append(chunk["choices"][0]["delta"]["content"])
+
+
+def replica_pids(cluster: ServeCluster, count: int = 2) -> dict[str, int]:
+    """Every replica's process id, once Serve has pushed their stats (a stats period)."""
+    deadline = time.monotonic() + 60
+    while True:
+        replicas = cluster.stats()["replicas"]
+        if len(replicas) == count and all("pid" in r for r in replicas.values()):
+            return {rid: r["pid"] for rid, r in replicas.items()}
+        assert time.monotonic() < deadline, replicas
+        time.sleep(0.2)
+
+
+def run_streams(
+    cluster: ServeCluster, bodies: list[dict[str, Any]], kill: bool, min_pieces: int = 5
+) -> tuple[list[Stream], str | None]:
+    """Send every body at once; with ``kill``, SIGKILL the replica serving most of them once
+    every stream has ``min_pieces`` pieces. Returns the finished streams and the victim."""
+    pids = replica_pids(cluster)
+    streams = [Stream(cluster.base_url, body) for body in bodies]
+    for s in streams:
+        s.start()
+    victim = None
+    if kill:
+        deadline = time.monotonic() + 120
+        while min(len(s.pieces) for s in streams) < min_pieces:  # all mid-generation
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        victim = max(set(pids), key=lambda rid: sum(s.replica == rid for s in streams))
+        os.kill(pids[victim], signal.SIGKILL)
+    for s in streams:
+        s.join(300)
+    return streams, victim
+
+
+def resumed(cluster: ServeCluster) -> float:
+    """Streams resumed on another replica so far (the ingress's counter)."""
+    text = httpx.get(f"{cluster.base_url}/metrics").text
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("prefix_serve_resumed_requests_total") and "resumed" in line
+    )

@@ -1,0 +1,184 @@
+"""The same request gives the same tokens, whatever else runs: SmolLM2 in the dtype served.
+
+The real model with ``dtype: auto`` (bfloat16 where this CPU has native bfloat16, float32
+elsewhere; every test id names the dtype that ran) and ``deterministic: true``, the defaults
+of ``deploy/config.yaml``. Eight chat prompts (29 to 1,100+ tokens), 128 greedy tokens each,
+are first run one at a time with nothing cached. Every other way of running them must give
+the same tokens, and bitwise the same logits row behind every token: batched with prefills
+and decodes in one step, after another request cached their system prompt, chunked over many
+steps, resumed from an output position as a continuation, and preempted. Seeded sampling
+holds the same way. The kernel-level checks (a linear layer's row, an attention query) are in
+``test_kernels.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from chat_prompts import SHARING_THE_SYSTEM_PROMPT, chat_prompts, encode
+
+from cluster.experiments.assistant_prompts import SUPPORT_SYSTEM_PROMPT
+from replica.checkpoints import SMOLLM2, checkpoint_for
+from replica.cpu import resolve_dtype
+from replica.engine import Engine, EngineConfig, SamplingParams
+from replica.model_runner import ModelRunner
+from replica.scheduler import ScheduledBatch
+
+NEW_TOKENS = 128
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+SERVED = str(resolve_dtype("auto")).removeprefix("torch.")
+Run = dict[str, tuple[list[int], list[bytes]]]  # request id -> tokens, digests of their rows
+
+
+class Digests:
+    """The real runner, keeping a digest of the logits row each sampled token came from."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.rows: dict[str, list[bytes]] = {}
+        self.batches: list[ScheduledBatch] = []
+
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        logits = self.runner.execute(batch)
+        self.batches.append(batch)
+        end = 0
+        for seq, rows, sample in zip(batch.seqs, batch.logit_rows, batch.samples, strict=True):
+            end += rows
+            if sample:
+                digest = hashlib.blake2b(logits[end - 1].numpy().tobytes(), digest_size=16)
+                self.rows.setdefault(seq.request_id, []).append(digest.digest())
+        return logits
+
+
+@pytest.fixture(scope="module")
+def runner() -> ModelRunner:
+    return ModelRunner(EngineConfig(model=SMOLLM2, dtype="auto", num_blocks=768))
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return chat_prompts(checkpoint_for(SMOLLM2).tokenizer())
+
+
+def engine_with(runner: ModelRunner, **config) -> tuple[Engine, Digests]:
+    digests = Digests(runner)
+    engine = Engine(EngineConfig(model=SMOLLM2, dtype="auto", **config), runner=digests)
+    return engine, digests
+
+
+def run(
+    engine: Engine, digests: Digests, prompts, params=GREEDY
+) -> list[tuple[list[int], list[bytes]]]:
+    outs = engine.generate(prompts, params)
+    engine.check_invariants()
+    return [(o.token_ids, digests.rows[o.request_id]) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def alone(runner, prompts) -> list[tuple[list[int], list[bytes]]]:
+    """Each prompt by itself, on an engine that caches nothing."""
+    engine, digests = engine_with(runner, num_blocks=768, enable_prefix_cache=False)
+    results = [run(engine, digests, [p])[0] for p in prompts]
+    assert all(len(tokens) == NEW_TOKENS for tokens, _ in results)
+    return results
+
+
+def assert_same(results, reference) -> None:
+    """Same tokens and bitwise the same logits behind each, prompt by prompt."""
+    for i, ((tokens, rows), (want_tokens, want_rows)) in enumerate(
+        zip(results, reference, strict=True)
+    ):
+        assert tokens == want_tokens, (
+            f"prompt {i}: tokens from {first_difference(tokens, want_tokens)}"
+        )
+        assert rows == want_rows, f"prompt {i}: logits from {first_difference(rows, want_rows)}"
+
+
+def first_difference(a: list, b: list) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+
+
+@pytest.mark.parametrize("dtype", [SERVED])
+def test_the_prompts_cover_what_invariance_needs(runner, prompts, alone, dtype) -> None:
+    assert runner.kv_cache.dtype == resolve_dtype("auto")
+    assert len(prompts) >= 8 and max(len(p) for p in prompts) > 1000
+    assert len({tuple(t) for t, _ in alone}) == len(prompts)  # every prompt its own answer
+
+
+@pytest.mark.parametrize("dtype", [SERVED])
+def test_batched_with_prefills_and_decodes_in_one_step(runner, prompts, alone, dtype) -> None:
+    engine, digests = engine_with(runner, num_blocks=768, enable_prefix_cache=False)
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids[:4], prompts[:4], strict=True):
+        engine.add_request(rid, p, GREEDY)
+    finished = {}
+    while len(finished) < len(ids):
+        if len(digests.batches) == 2:  # the first four decode while the rest prefill
+            for rid, p in zip(ids[4:], prompts[4:], strict=True):
+                engine.add_request(rid, p, GREEDY)
+        finished |= {o.request_id: o for o in engine.step() if o.finished}
+    assert any(b.num_decodes and b.num_prefill_tokens for b in digests.batches)
+    assert_same([(finished[r].token_ids, digests.rows[r]) for r in ids], alone)
+
+
+@pytest.mark.parametrize("dtype", [SERVED])
+def test_a_prefix_cached_by_another_request_changes_nothing(runner, prompts, alone, dtype) -> None:
+    engine, digests = engine_with(runner, num_blocks=768)
+    other = encode(checkpoint_for(SMOLLM2).tokenizer(), SUPPORT_SYSTEM_PROMPT, "Hello?")
+    engine.generate([other], SamplingParams(max_tokens=3))
+    outs = engine.generate(prompts, GREEDY)
+    assert all(outs[i].num_cached_tokens >= 512 for i in SHARING_THE_SYSTEM_PROMPT)
+    assert_same([(o.token_ids, digests.rows[o.request_id]) for o in outs], alone)
+    engine.check_invariants()
+
+
+@pytest.mark.parametrize("dtype", [SERVED])
+def test_prompts_chunked_over_many_steps_change_nothing(runner, prompts, alone, dtype) -> None:
+    engine, digests = engine_with(
+        runner, num_blocks=768, max_num_batched_tokens=48, enable_prefix_cache=False
+    )
+    results = run(engine, digests, prompts)
+    assert max(b.num_tokens for b in digests.batches) <= 48
+    assert sum(b.samples.count(False) for b in digests.batches) > 20  # chunks short of the end
+    assert_same(results, alone)
+
+
+@pytest.mark.parametrize("dtype", [SERVED])
+def test_a_request_resumed_from_any_output_position_continues_exactly(
+    runner, prompts, alone, dtype
+) -> None:
+    """Prompt plus its first k tokens, sent as a continuation (what failover does): the rest
+    of the output, and the logits behind it, are the uninterrupted run's."""
+    engine, digests = engine_with(runner, num_blocks=768)
+    positions = [1, 17, 33, 64, 90, 101, 120, NEW_TOKENS - 1]
+    for i, (prompt, k) in enumerate(zip(prompts, positions, strict=True)):
+        engine.add_request(f"resume{i}", prompt, GREEDY, output_token_ids=alone[i][0][:k])
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished |= {o.request_id: o for o in engine.step() if o.finished}
+    for i, k in enumerate(positions):
+        out = finished[f"resume{i}"]
+        tokens, rows = alone[i]
+        assert out.token_ids == tokens, f"prompt {i} resumed at {k}"
+        assert digests.rows[f"resume{i}"] == rows[k:], f"prompt {i} resumed at {k}"
+    engine.check_invariants()
+
+
+@pytest.mark.parametrize("dtype", [SERVED])
+def test_preemption_on_a_small_pool_changes_nothing(runner, prompts, alone, dtype) -> None:
+    engine, digests = engine_with(runner, num_blocks=110, max_num_seqs=8, decode_reserve=False)
+    results = run(engine, digests, prompts)
+    assert engine.stats().preemptions > 0
+    assert_same(results, alone)
+
+
+@pytest.mark.parametrize("dtype", [SERVED])
+def test_seeded_sampling_is_invariant_too(runner, prompts, dtype) -> None:
+    params = SamplingParams(max_tokens=32, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    engine, digests = engine_with(runner, num_blocks=768, enable_prefix_cache=False)
+    solo = [run(engine, digests, [p], params)[0] for p in prompts[:4]]
+    engine, digests = engine_with(runner, num_blocks=768)
+    engine.generate([prompts[1]], SamplingParams(max_tokens=2))  # the system prompt cached
+    assert_same(run(engine, digests, prompts[:4], params), solo)
