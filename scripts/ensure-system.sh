@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# ensure-redis.sh install        install Debian's redis-server if it is missing
-# ensure-redis.sh start [PORT]   also start a local redis-server on PORT (default 6379)
-#                                unless one already answers there
+# ensure-system.sh install        install what is missing of Debian's redis-server and g++
+#                                 (g++ builds the engine's kernels: replica/kernels)
+# ensure-system.sh start [PORT]   also start a local redis-server on PORT (default 6379)
+#                                 unless one already answers there
 set -euo pipefail
 port="${2:-6379}"
 
-if ! command -v redis-server >/dev/null 2>&1; then
-    echo "redis-server missing: installing Debian's redis-server" >&2
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v g++ >/dev/null 2>&1 || missing+=(g++)
+if [ "${#missing[@]}" -gt 0 ]; then
+    echo "missing: installing Debian's ${missing[*]}" >&2
     sudo=""
     [ "$(id -u)" = 0 ] || sudo="sudo"
     $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq redis-server >/dev/null
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
 if [ "${1:-install}" = start ]; then
