@@ -17,7 +17,8 @@ import httpx
 import pytest
 from conftest import keep_logs
 from ray.cluster_utils import Cluster
-from test_failover import Stream
+from streams import Stream, resumed
+from test_failover import bodies
 from test_serve_e2e import assert_no_leaked_blocks
 
 from cluster.config import ClusterArgs
@@ -135,12 +136,13 @@ def test_a_shared_prompt_hits_the_cache_across_nodes(nodes: ThreeNodes, cluster)
 
 def test_a_worker_node_dies_and_comes_back(nodes: ThreeNodes, cluster) -> None:
     original = placed = replica_nodes(cluster, 2)
-    reference = [Stream(cluster.base_url, i) for i in range(4)]
+    reference = [Stream(cluster.base_url, body) for body in bodies()[:4]]
     for s in reference:
         s.start()
     for s in reference:
         s.join(120)
-    streams = [Stream(cluster.base_url, i) for i in range(4)]
+    before = resumed(cluster)
+    streams = [Stream(cluster.base_url, body) for body in bodies()[:4]]
     for s in streams:
         s.start()
     deadline = time.monotonic() + 60
@@ -164,6 +166,7 @@ def test_a_worker_node_dies_and_comes_back(nodes: ThreeNodes, cluster) -> None:
         assert "".join(got.pieces) == "".join(want.pieces)  # resumed token for token
         for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
             assert got.usage[key] == want.usage[key]  # each output token counted once
+    assert resumed(cluster) - before >= len(streams)  # they were cut, and continued
 
     # a new worker: Serve places the missing replica there, and it serves again
     nodes.workers.append(nodes.add_worker())
