@@ -149,7 +149,8 @@ def test_a_worker_node_dies_and_comes_back(nodes: ThreeNodes, cluster) -> None:
     while min(len(s.pieces) for s in streams) < 5:  # every stream is mid-generation
         assert time.monotonic() < deadline
         time.sleep(0.005)
-    victim_replica = streams[0].replica  # one system prompt: all four on one replica
+    victim_replica = streams[0].replica  # one system prompt: most or all on one replica
+    on_victim = [s for s in streams if s.replica == victim_replica]
     victim = next(w for w in nodes.workers if w.node_id == placed[victim_replica])
     nodes.cluster.remove_node(victim, allow_graceful=False)  # its raylet and workers die
     killed_at = time.monotonic()
@@ -166,7 +167,7 @@ def test_a_worker_node_dies_and_comes_back(nodes: ThreeNodes, cluster) -> None:
         assert "".join(got.pieces) == "".join(want.pieces)  # resumed token for token
         for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
             assert got.usage[key] == want.usage[key]  # each output token counted once
-    assert resumed(cluster) - before >= len(streams)  # they were cut, and continued
+    assert resumed(cluster) - before >= len(on_victim)  # they were cut, and continued
 
     # a new worker: Serve places the missing replica there, and it serves again
     nodes.workers.append(nodes.add_worker())
