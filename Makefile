@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 	scripts/ensure-system.sh install
-	$(PY) -m replica.kernels
+	$(PY) -m replica.model.kernels
 
 test: install
 	$(PY) -m pytest -q
@@ -34,27 +34,27 @@ lint: install
 
 # Every README result table (hours on a 2-core machine;
 # nothing else should run meanwhile). Each line is also in the README next to its table.
-BENCH_ROUTING := $(PY) -m cluster.experiments routing --num-blocks 640
+BENCH_ROUTING := $(PY) -m bench routing --num-blocks 640
 SIM_POLICIES := round_robin,prefill_cost,ray_prefix_sim,sglang_cache_aware,dynamo_kv
 bench: install
-	$(PY) -m cluster.experiments engine --trace chat --out results/engine-chat.json
-	$(PY) -m cluster.experiments engine --model smollm2-135m-instruct --dtype bfloat16 \
+	$(PY) -m bench engine --trace chat --out results/engine-chat.json
+	$(PY) -m bench engine --model smollm2-135m-instruct --dtype bfloat16 \
 	    --trace assistant --rate 2 --requests 48 --vllm --out results/engine-assistant.json
-	$(PY) -m cluster.experiments speed --model smollm2-135m-instruct --dtype bfloat16 \
+	$(PY) -m bench speed --model smollm2-135m-instruct --dtype bfloat16 \
 	    --out results/speed-bfloat16.json
-	$(PY) -m cluster.experiments speed --model smollm2-135m-instruct --dtype bfloat16 \
+	$(PY) -m bench speed --model smollm2-135m-instruct --dtype bfloat16 \
 	    --threads 2 --peers ours,ours-nondet --batches 1,8,32 --prefill-tokens 1024 \
 	    --decode-tokens 64 --repeats 4 --out results/speed-invariance.json
-	$(PY) -m cluster.experiments scheduling --out results/scheduling.json
-	$(PY) -m cluster.experiments choices --vllm --out results/choices.json
-	$(PY) -m cluster.experiments index --scale 16,64,256,1024 --out results/index.json
-	$(PY) -m cluster.experiments simulate --workload multi_tenant --per-replica \
+	$(PY) -m bench scheduling --out results/scheduling.json
+	$(PY) -m bench choices --vllm --out results/choices.json
+	$(PY) -m bench index --scale 16,64,256,1024 --out results/index.json
+	$(PY) -m bench simulate --workload multi_tenant --per-replica \
 	    --replicas 2,8,32,128 --rates 2 --tenants 10000 --zipf 0.8 --policies $(SIM_POLICIES) \
 	    --out results/simulate-multi_tenant
-	$(PY) -m cluster.experiments simulate --workload multi_tenant --per-replica \
+	$(PY) -m bench simulate --workload multi_tenant --per-replica \
 	    --replicas 256 --rates 2 --tenants 10000 --zipf 0.8 --policies $(SIM_POLICIES) \
 	    --out results/simulate-multi_tenant-256
-	$(PY) -m cluster.experiments simulate --workload multi_turn --per-replica \
+	$(PY) -m bench simulate --workload multi_turn --per-replica \
 	    --replicas 2,8,32,128 --rates 0.75 --conversations 6 --policies $(SIM_POLICIES) \
 	    --out results/simulate-multi_turn
 	$(BENCH_ROUTING) --workload multi_tenant --tenants 24 --zipf 0.6 --requests 160 --rates 4 \
@@ -71,14 +71,14 @@ bench: install
 	    --policies round_robin,prefill_cost,ray_prefix --out results/routing-random
 	$(BENCH_ROUTING) --workload multi_tenant --tenants 24 --zipf 0.6 --requests 160 --rates 4 \
 	    --repeats 2 --policies prefill_cost --ingress-replicas 2 --out results/routing-two-ingress
-	$(PY) -m cluster.experiments routing --workload multi_tenant --requests 60 --rates 4 \
+	$(PY) -m bench routing --workload multi_tenant --requests 60 --rates 4 \
 	    --tenants 16 --zipf 0.6 --seed 11 --replicas 2 --num-blocks 256 --repeats 3 \
 	    --policies round_robin,prefill_cost,cache_aware --out results/sim-vs-real
-	$(PY) -m cluster.experiments simulate --trace results/sim-vs-real/trace-rate_4_s.jsonl \
+	$(PY) -m bench simulate --trace results/sim-vs-real/trace-rate_4_s.jsonl \
 	    --replicas 2 --num-blocks 256 --policies round_robin,prefill_cost,cache_aware \
 	    --out results/sim-vs-real-sim
-	$(PY) -m cluster.experiments faults --out results/faults
-	$(PY) -m cluster.experiments autoscale --out results/autoscale
+	$(PY) -m bench faults --out results/faults
+	$(PY) -m bench autoscale --out results/autoscale
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis results

@@ -23,7 +23,7 @@ def request_router_config(args: ClusterArgs) -> RequestRouterConfig:
     routing = args.routing
     period = {"request_routing_stats_period_s": routing.stats_period_s}
     if routing.policy == "ray_default":  # Ray's default, timed where ours is timed
-        timed = "router.timed_ray_router:TimedPowerOfTwoRouter"
+        timed = "bench.peers.ray_router:TimedPowerOfTwoRouter"
         return RequestRouterConfig(request_router_class=timed, **period)
     if routing.policy == "ray_prefix":
         return RequestRouterConfig(request_router_class=RAY_PREFIX_ROUTER, **period)

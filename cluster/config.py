@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvindex.index import IndexConfig
 from replica.checkpoints import SMOLLM2
 from replica.config import EngineConfig
 from replica.deployment import ReplicaArgs
-from replica.index import IndexConfig
 from router.config import RoutingConfig
 
 

@@ -22,8 +22,8 @@ from dataclasses import replace
 import ray
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from cluster import api_metrics
-from cluster.api_errors import engine_error, replica_failed
+from cluster.api import metrics as api_metrics
+from cluster.api.errors import engine_error, replica_failed
 from replica.messages import EngineChunk, EngineRequest
 
 

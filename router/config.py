@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.peer_policies import DynamoKV, RayPrefixSim, SGLangCacheAware
+from bench.sim.peer_policies import DynamoKV, RayPrefixSim, SGLangCacheAware
 from router.policies import BoundedLoad, CacheAware, PrefixAffinity, RoundRobin, RoutingPolicy
 from router.prefill_cost import CostKnobs, PrefillCost
 
@@ -29,7 +29,8 @@ class RoutingConfig(BaseModel):
     """Which replica gets a request. ``prefill_cost`` is the default (``router.prefill_cost``
     explains its rules); ``cache_aware``, ``prefix_affinity`` and ``round_robin`` are ours
     from before; ``ray_*`` are Ray Serve's own routers; ``ray_prefix_sim``,
-    ``sglang_cache_aware`` and ``dynamo_kv`` model the peers' rules (``router.peer_policies``)."""
+    ``sglang_cache_aware`` and ``dynamo_kv`` model the peers' rules
+    (``bench.sim.peer_policies``)."""
 
     model_config = ConfigDict(extra="forbid")
 

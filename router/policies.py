@@ -20,7 +20,7 @@ from dataclasses import dataclass
 class RoutingRequest:
     """What a policy may know about a request: its block hash chain, nothing else."""
 
-    block_hashes: Sequence[bytes]  # full prompt blocks, from replica.hashing
+    block_hashes: Sequence[bytes]  # full prompt blocks, from kvindex.hashing
     affinity_key: bytes  # BlockHasher.affinity_key: the first K blocks (or the partial block)
     num_prompt_tokens: int
     block_size: int

@@ -14,7 +14,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from replica.stats import percentile
+from replica.engine.stats import percentile
 
 ROUTED = Counter(
     "prefix_serve_routed_requests", "Requests sent to each engine replica", ["replica", "policy"]

@@ -23,8 +23,8 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from replica.index import BlockIndex, IndexConfig
-from replica.index_records import Booking, ReplicaView
+from kvindex.index import BlockIndex, IndexConfig
+from kvindex.records import Booking, ReplicaView
 from router import routing_stats
 from router.bookings import Bookings, Load
 from router.config import RoutingConfig, make_policy

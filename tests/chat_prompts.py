@@ -4,12 +4,12 @@ and the invariance tests."""
 
 from __future__ import annotations
 
-from cluster.experiments.assistant_prompts import (
+from bench.assistant_prompts import (
     LONG_DOCUMENT,
     SUPPORT_QUESTIONS,
     SUPPORT_SYSTEM_PROMPT,
 )
-from replica.tokenizer import Tokenizer
+from replica.checkpoints.tokenizer import Tokenizer
 
 CONVERSATIONS = [
     ("You are terse.", "What is the capital of France?"),

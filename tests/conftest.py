@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from cluster.experiments.redis_server import LocalRedis
+from bench.harness.redis_server import LocalRedis
 
 
 def keep_logs(request: pytest.FixtureRequest, failed_before: int) -> bool:

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from cluster.experiments.launcher import ServeCluster
+from bench.harness.launcher import ServeCluster
 
 
 class Stream(threading.Thread):

@@ -2,7 +2,7 @@
 
 Layers, lowest first: ``replica`` (one engine replica: engine, block hash, index client) <
 ``router`` (policies and the Ray Serve request router) < ``cluster`` (the serving application)
-< ``cluster.experiments`` (measurement tools). A module may import its own layer or a lower
+< ``bench`` (measurement tools). A module may import its own layer or a lower
 one, never a higher one; the measurement tools may use the application, never the reverse.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-LAYERS = ["replica", "router", "cluster", "cluster.experiments"]
+LAYERS = ["replica", "router", "cluster", "bench"]
 MAX_FUNCTION_LINES = 60
 MAX_FILE_LINES = 300
 LONG_FILE_MARK = "Longer than 300 lines because"
@@ -54,7 +54,7 @@ def test_layer_of_picks_the_most_specific_layer() -> None:
     assert layer_of("replica.engine") == 0
     assert layer_of("router.policies") == 1
     assert layer_of("cluster.ingress") == 2
-    assert layer_of("cluster.experiments.workloads") == 3
+    assert layer_of("bench.workloads") == 3
     assert layer_of("ray.serve") is None
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-import replica.hashing
-from replica.block_allocator import BlockAllocator, OutOfBlocksError
-from replica.block_manager import BlockManager
-from replica.hashing import BlockHasher
-from replica.prefix_cache import CacheEvents
-from replica.sampling_params import SamplingParams
-from replica.sequence import Sequence
+import kvindex.hashing
+from kvindex.hashing import BlockHasher
+from replica.engine.block_allocator import BlockAllocator, OutOfBlocksError
+from replica.engine.block_manager import BlockManager
+from replica.engine.prefix_cache import CacheEvents
+from replica.engine.sequence import Sequence
+from replica.sampling.params import SamplingParams
 
 BS = 4
 
@@ -196,7 +196,7 @@ def test_a_shared_middle_block_without_the_shared_start_shares_nothing() -> None
 
 
 def test_a_forced_hash_collision_never_gives_a_wrong_hit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(replica.hashing, "_digest", lambda data, key: b"\x00" * 16)
+    monkeypatch.setattr(kvindex.hashing, "_digest", lambda data, key: b"\x00" * 16)
     bm = manager()
     cache = bm.prefix_cache
     assert cache is not None
@@ -239,7 +239,7 @@ def test_a_hit_needs_its_parent_to_be_the_block_matched_just_before(
     block holding exactly its tokens (``B``), but that block continues ``A``, not ``C``.
     Equal tokens are not enough: taking it would hand this request the keys and values of
     another sequence's context (``B`` attended over ``A``). It must stop after ``C``."""
-    monkeypatch.setattr(replica.hashing, "_digest", lambda data, key: b"\x00" * 16)
+    monkeypatch.setattr(kvindex.hashing, "_digest", lambda data, key: b"\x00" * 16)
     bm = manager()
     cache = bm.prefix_cache
     assert cache is not None

@@ -11,10 +11,10 @@ import pytest
 
 from cluster.config import ClusterArgs
 from replica.checkpoints import SMOLLM2, CheckpointError, checkpoint_for, smollm2_path
+from replica.checkpoints.gguf import hf_name, unpermute_rotary
+from replica.checkpoints.hf import export_hf_folder
 from replica.config import EngineConfig
-from replica.gguf_checkpoint import hf_name, unpermute_rotary
-from replica.hf_checkpoint import export_hf_folder
-from replica.model_runner import ModelRunner
+from replica.model.runner import ModelRunner
 
 
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -12,13 +12,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-import replica.hashing
-from replica.cpu import DTYPES
+import kvindex.hashing
+from replica.checkpoints.hf import hf_config
 from replica.engine import Engine, EngineConfig, InvalidRequestError, SamplingParams
-from replica.hf_checkpoint import hf_config
-from replica.model import LlamaForCausalLM
-from replica.outputs import Runner
-from replica.scheduler import ScheduledBatch
+from replica.engine.outputs import Runner
+from replica.engine.scheduler import ScheduledBatch
+from replica.model.cpu import DTYPES
+from replica.model.llama import LlamaForCausalLM
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
@@ -100,7 +100,7 @@ def test_a_forced_hash_collision_does_not_change_any_output(
 ) -> None:
     prompts = shared_prefix_prompts(9, seed=5)
     expected = Engine(EngineConfig(enable_prefix_cache=False)).generate(prompts, GREEDY)
-    monkeypatch.setattr(replica.hashing, "_digest", lambda data, key: b"\x01" * 16)
+    monkeypatch.setattr(kvindex.hashing, "_digest", lambda data, key: b"\x01" * 16)
     engine = Engine(EngineConfig())
     outs = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]

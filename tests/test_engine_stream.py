@@ -13,12 +13,12 @@ import ray.exceptions
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from cluster import api_metrics
-from cluster.api_errors import APIError, install_handlers
+from cluster.api import metrics as api_metrics
+from cluster.api.errors import APIError, install_handlers
 from cluster.engine_stream import EngineStream
-from replica.hashing import BlockHasher
+from kvindex.hashing import BlockHasher
 from replica.messages import EngineChunk, EngineRequest
-from replica.sampling_params import SamplingParams
+from replica.sampling.params import SamplingParams
 
 HASHER = BlockHasher(4, "test-model")
 PROMPT = list(range(10))

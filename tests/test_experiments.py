@@ -7,14 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cluster.experiments.redis_server import LocalRedis
+from bench.harness.redis_server import LocalRedis
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def run_experiment(*args: str) -> dict:
     out = subprocess.run(
-        [sys.executable, "-m", "cluster.experiments", *args],
+        [sys.executable, "-m", "bench", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from replica.hashing import BlockHasher
+from kvindex.hashing import BlockHasher
 
 TOKENS = list(range(1000, 1040))  # 2 full blocks of 16 and 8 tokens left over
 
@@ -27,7 +27,7 @@ def test_chain_matches_the_documented_construction() -> None:
 
 def test_chain_is_stable_across_processes() -> None:
     code = (
-        "from replica.hashing import BlockHasher;"
+        "from kvindex.hashing import BlockHasher;"
         "print(BlockHasher(16, 'm').chain(list(range(1000, 1040)))[-1].hex())"
     )
     for seed in ("0", "1"):  # Python's own hash() would differ between these

@@ -12,12 +12,12 @@ import time
 import pytest
 import redis
 
-from cluster.experiments.redis_server import LocalRedis
+from bench.harness.redis_server import LocalRedis
+from kvindex.hashing import BlockHasher
+from kvindex.index import TRIP_AFTER_FAILURES, BlockIndex, IndexConfig, StaleEpochError
+from kvindex.records import Booking, ReplicaView
 from replica.engine import Engine, EngineConfig, SamplingParams
-from replica.hashing import BlockHasher
-from replica.index import TRIP_AFTER_FAILURES, BlockIndex, IndexConfig, StaleEpochError
-from replica.index_publisher import IndexPublisher
-from replica.index_records import Booking, ReplicaView
+from replica.publisher import IndexPublisher
 
 MODEL = "tiny-llama-6m"
 H = [bytes([i]) * 16 for i in range(8)]  # a stand-in chain of 8 block hashes

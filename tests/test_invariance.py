@@ -19,12 +19,12 @@ import pytest
 import torch
 from chat_prompts import SHARING_THE_SYSTEM_PROMPT, chat_prompts, encode
 
-from cluster.experiments.assistant_prompts import SUPPORT_SYSTEM_PROMPT
+from bench.assistant_prompts import SUPPORT_SYSTEM_PROMPT
 from replica.checkpoints import SMOLLM2, checkpoint_for
-from replica.cpu import resolve_dtype
 from replica.engine import Engine, EngineConfig, SamplingParams
-from replica.model_runner import ModelRunner
-from replica.scheduler import ScheduledBatch
+from replica.engine.scheduler import ScheduledBatch
+from replica.model.cpu import resolve_dtype
+from replica.model.runner import ModelRunner
 
 NEW_TOKENS = 128
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)

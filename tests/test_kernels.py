@@ -14,15 +14,15 @@ import random
 import pytest
 import torch
 
-from replica import kernels
-from replica.attention import (
+from replica.checkpoints import SMOLLM2, checkpoint_for
+from replica.model import kernels
+from replica.model.attention import (
     KVCache,
     build_metadata,
     reference_attention,
     reference_write_kv,
 )
-from replica.checkpoints import SMOLLM2, checkpoint_for
-from replica.packed_linear import PackedLinear, invariant_min_rows
+from replica.model.packed_linear import PackedLinear, invariant_min_rows
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler here")
 

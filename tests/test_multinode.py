@@ -21,11 +21,11 @@ from streams import Stream, resumed
 from test_failover import bodies
 from test_serve_e2e import assert_no_leaked_blocks
 
+from bench.harness.launcher import ServeCluster
+from bench.harness.redis_server import LocalRedis
 from cluster.config import ClusterArgs
-from cluster.experiments.launcher import ServeCluster
-from cluster.experiments.redis_server import LocalRedis
+from kvindex.index import BlockIndex, IndexConfig
 from replica.config import EngineConfig
-from replica.index import BlockIndex, IndexConfig
 from router.config import RoutingConfig
 
 MODEL = "tiny-llama-6m"

@@ -14,11 +14,11 @@ import openai
 import pytest
 from conftest import keep_logs
 
+from bench.harness.launcher import ServeCluster
+from bench.harness.redis_server import LocalRedis
 from cluster.config import ClusterArgs
-from cluster.experiments.launcher import ServeCluster
-from cluster.experiments.redis_server import LocalRedis
+from kvindex.index import IndexConfig
 from replica.config import EngineConfig
-from replica.index import IndexConfig
 from router.config import RoutingConfig
 
 MODEL = "tiny-llama-6m"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-from replica.hashing import BlockHasher
+from bench.sim.peer_policies import DynamoKV, RayPrefixSim, SGLangCacheAware
+from kvindex.hashing import BlockHasher
 from router.config import RoutingConfig, make_policy
-from router.peer_policies import DynamoKV, RayPrefixSim, SGLangCacheAware
 from router.policies import (
     BoundedLoad,
     CacheAware,

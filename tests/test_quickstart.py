@@ -22,12 +22,12 @@ import yaml
 from conftest import keep_logs
 from streams import resumed, run_streams
 
+from bench.assistant_prompts import SUPPORT_SYSTEM_PROMPT
+from bench.harness.launcher import ServeCluster
+from bench.harness.redis_server import LocalRedis
 from cluster.config import ClusterArgs
-from cluster.experiments.assistant_prompts import SUPPORT_SYSTEM_PROMPT
-from cluster.experiments.launcher import ServeCluster
-from cluster.experiments.redis_server import LocalRedis
+from kvindex.index import IndexConfig
 from replica.checkpoints import SMOLLM2
-from replica.index import IndexConfig
 
 REPO = Path(__file__).resolve().parent.parent
 SNIPPET_MARK = "<!-- quickstart-snippet"

@@ -8,10 +8,10 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from bench.__main__ import EXPERIMENTS
 from cluster.config import Autoscaling, ClusterArgs
-from cluster.experiments.__main__ import EXPERIMENTS
+from kvindex.index import IndexConfig
 from replica.config import EngineConfig
-from replica.index import IndexConfig
 from router.config import RoutingConfig
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()

@@ -17,10 +17,10 @@ from transformers import DynamicCache, LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
 from replica.checkpoints import SMOLLM2, checkpoint_for
+from replica.checkpoints.hf import hf_config
 from replica.engine import Engine, EngineConfig, SamplingParams
-from replica.hf_checkpoint import hf_config
-from replica.model_runner import ModelRunner
-from replica.scheduler import ScheduledBatch
+from replica.engine.scheduler import ScheduledBatch
+from replica.model.runner import ModelRunner
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)

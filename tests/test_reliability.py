@@ -20,13 +20,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_serve_e2e import assert_no_leaked_blocks
 
+from bench.harness.launcher import ServeCluster
+from bench.harness.redis_server import LocalRedis
 from cluster.config import ClusterArgs
-from cluster.experiments.launcher import ServeCluster
-from cluster.experiments.redis_server import LocalRedis
+from kvindex.hashing import BlockHasher
+from kvindex.index import BlockIndex, IndexConfig
+from replica.checkpoints.tokenizer import ByteTokenizer
 from replica.config import EngineConfig
-from replica.hashing import BlockHasher
-from replica.index import BlockIndex, IndexConfig
-from replica.tokenizer import ByteTokenizer
 from router.config import RoutingConfig
 
 MODEL = "tiny-llama-6m"

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from replica.engine import Engine, EngineConfig, SamplingParams
-from replica.logits_processing import process_logits
-from replica.model_runner import ModelRunner
-from replica.scheduler import ScheduledBatch
+from replica.engine.scheduler import ScheduledBatch
+from replica.model.runner import ModelRunner
+from replica.sampling.logits_processing import process_logits
 
 PROMPT = [256, *b"The forecast for tomorrow says"]  # 31 tokens: a partial last block
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-import replica.scheduler
-from replica.block_manager import BlockManager
-from replica.hashing import BlockHasher
-from replica.sampling_params import SamplingParams
-from replica.scheduler import ScheduledBatch, Scheduler
-from replica.sequence import Sequence, SequenceStatus
+import replica.engine.scheduler
+from kvindex.hashing import BlockHasher
+from replica.engine.block_manager import BlockManager
+from replica.engine.scheduler import ScheduledBatch, Scheduler
+from replica.engine.sequence import Sequence, SequenceStatus
+from replica.sampling.params import SamplingParams
 
 BS = 4
 
@@ -95,7 +95,7 @@ def test_decodes_go_first_and_prompts_take_the_rest_of_the_budget() -> None:
 def test_preemption_mid_chunk_takes_the_newest_and_it_resumes_from_its_cached_blocks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(replica.scheduler, "_RATIO_MIN", 0.0)
+    monkeypatch.setattr(replica.engine.scheduler, "_RATIO_MIN", 0.0)
     s = scheduler(num_blocks=7, budget=8)
     old = seq("old", [7] * 6, max_tokens=8)  # 2 blocks, grows into a third
     s.add(old)

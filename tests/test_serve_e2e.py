@@ -15,11 +15,11 @@ import pytest
 import redis
 from conftest import keep_logs
 
+from bench.harness.launcher import ServeCluster
+from bench.harness.redis_server import LocalRedis
 from cluster.config import ClusterArgs
-from cluster.experiments.launcher import ServeCluster
-from cluster.experiments.redis_server import LocalRedis
+from kvindex.index import BlockIndex, IndexConfig
 from replica.config import EngineConfig
-from replica.index import BlockIndex, IndexConfig
 from router.config import RoutingConfig
 
 MODEL = "tiny-llama-6m"

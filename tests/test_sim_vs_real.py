@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cluster.experiments.__main__ import run as run_experiment
-from cluster.experiments.redis_server import LocalRedis
+from bench.__main__ import run as run_experiment
+from bench.harness.redis_server import LocalRedis
 
 POLICIES = "round_robin,prefill_cost,cache_aware"
 TOLERANCE = 0.10

@@ -9,14 +9,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cluster.experiments import cost_model
-from cluster.experiments.cost_model import Clock, CostModel, calibrate
-from cluster.experiments.simulate import PEERS, sim_policy
-from cluster.experiments.simulator import Simulation
-from cluster.experiments.workloads import WorkloadSpec, make_trace, oracle_hit_rate
+from bench.experiments.simulate import PEERS, sim_policy
+from bench.sim import cost_model
+from bench.sim.cost_model import Clock, CostModel, calibrate
+from bench.sim.simulator import Simulation
+from bench.workloads import WorkloadSpec, make_trace, oracle_hit_rate
+from replica.checkpoints.tokenizer import ByteTokenizer
 from replica.config import EngineConfig
-from replica.scheduler import ScheduledBatch
-from replica.tokenizer import ByteTokenizer
+from replica.engine.scheduler import ScheduledBatch
 
 COST = CostModel(base_s=0.008, prefill_token_s=0.0004, decode_seq_s=0.001)
 ENGINE = EngineConfig(num_blocks=256)

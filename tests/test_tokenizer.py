@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.textstream import TextStream
+from cluster.api.textstream import TextStream
 from replica.checkpoints import SMOLLM2, checkpoint_for
-from replica.tokenizer import ByteTokenizer, IncrementalDetokenizer, Tokenizer
+from replica.checkpoints.tokenizer import ByteTokenizer, IncrementalDetokenizer, Tokenizer
 
 HARD_TEXTS = [
     "The capital of France is Paris.",

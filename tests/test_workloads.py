@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.experiments.workloads import (
+from bench.workloads import (
     WORKLOADS,
     TraceRequest,
     WorkloadSpec,
@@ -18,8 +18,8 @@ from cluster.experiments.workloads import (
     oracle_hit_rate,
     save_trace,
 )
-from replica.hashing import BlockHasher
-from replica.tokenizer import ByteTokenizer
+from kvindex.hashing import BlockHasher
+from replica.checkpoints.tokenizer import ByteTokenizer
 
 HASHER = BlockHasher(16, "tiny-llama-6m")
 BYTES = ByteTokenizer()

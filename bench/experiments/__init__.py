@@ -1,0 +1,1 @@
+"""One module per experiment of ``python -m bench``."""

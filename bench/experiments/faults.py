@@ -1,0 +1,260 @@
+"""``faults``: the real cluster under faults, overload and a soak, with a JSON + Markdown report.
+
+Scenarios (``--scenarios``, all by default), each on a fresh cluster (the default policy):
+
+* ``redis_kill``: Redis is killed under streaming load and restarted empty.
+* ``replica_kill``: one engine replica's process is killed (SIGKILL) under load; the
+  streams on it resume on the other replica.
+* ``repeated_kills``: a replica is killed every ``--kill-every-s`` seconds, ``--kills`` times.
+* ``scale_down``: the engine deployment goes from 3 replicas to 2 under load.
+* ``redis_slow``: Redis stalls (``DEBUG SLEEP``) again and again under load.
+* ``overload``: open-loop load far above capacity.
+* ``soak``: mixed workloads for ``--soak-s`` seconds.
+
+Each reports requests ok / failed / lost (never answered), recovery times, and what the
+replicas' own audits say about their block accounting once idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from bench.harness.scenario import (
+    Scenario,
+    fault_trace,
+    index_answers,
+    probe,
+    resume_counts,
+    wait_for,
+)
+from bench.report import faults_markdown
+from bench.workloads import TraceRequest
+from replica.engine.stats import percentile
+
+SCENARIOS = (
+    "redis_kill",
+    "replica_kill",
+    "repeated_kills",
+    "scale_down",
+    "redis_slow",
+    "overload",
+    "soak",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--rate", type=float, default=4.0, help="load during faults, per s")
+    parser.add_argument("--duration-s", type=float, default=25.0, help="load per fault scenario")
+    parser.add_argument("--soak-s", type=float, default=120.0)
+    parser.add_argument("--soak-rate", type=float, default=1.5, help="below capacity, per s")
+    parser.add_argument("--kills", type=int, default=6, help="repeated_kills: how many")
+    parser.add_argument("--kill-every-s", type=float, default=10.0)
+
+
+def redis_kill(args: argparse.Namespace) -> dict[str, Any]:
+    with Scenario() as s:
+        trace = fault_trace(args.rate, args.duration_s)
+        s.load(trace)
+        time.sleep(args.duration_s * 0.25)
+        s.redis.stop()
+        time.sleep(args.duration_s * 0.3)
+        s.redis.start()  # empty: every registration and block entry is gone
+        restarted = time.monotonic()
+
+        def rebuilt() -> bool:  # every replica re-registered and republished its blocks
+            stats = s.stats()
+            return len(stats) >= s.args.num_replicas and all(
+                st["index_in_sync"] and st["time"] > time.time() - 1 and s.index.replica_blocks(r)
+                for r, st in stats.items()
+            )
+
+        recovery = wait_for(rebuilt, 60)
+        s.wait_load()
+        answered = index_answers(s.cluster.base_url)
+        probe(s.cluster.base_url, s.args.engine.model_id, 4)
+        return s.report(
+            trace,
+            index_rebuilt_s=recovery,
+            cache_aware_resumed=index_answers(s.cluster.base_url) > answered,
+            index_blocks_after={rid: len(s.index.replica_blocks(rid)) for rid in s.stats()},
+            since_restart_s=time.monotonic() - restarted,
+        )
+
+
+def replica_kill(args: argparse.Namespace) -> dict[str, Any]:
+    with Scenario() as s:
+        trace = fault_trace(args.rate, args.duration_s)
+        s.load(trace)
+        time.sleep(args.duration_s * 0.3)
+        resumes = resume_counts(s.cluster.base_url)
+        # the busiest replica, once one runs two requests, so that streams are
+        # mid-generation on it when it dies
+        wait_for(lambda: any(v["num_running"] >= 2 for v in s.stats().values()), 10)
+        before = s.stats()
+        victim, victim_stats = max(before.items(), key=lambda kv: kv[1]["num_running"])
+        os.kill(victim_stats["pid"], signal.SIGKILL)
+        killed = time.monotonic()
+        purged = wait_for(lambda: victim not in s.index.live_replicas(), 30)
+        reaped = wait_for(lambda: not s.index.replica_blocks(victim), 60)
+        replaced = wait_for(
+            lambda: len(set(s.index.live_replicas()) - {victim}) >= s.args.num_replicas, 120
+        )
+        s.wait_load()
+        served_by = {r.replica for r in probe(s.cluster.base_url, s.args.engine.model_id, 12)}
+        new_ids = set(s.index.live_replicas()) - set(before)
+        # a resumed stream's longest gap between two tokens is what the failure cost it
+        stalls = [max(r.itl_s) for r in s.results if r.replica == victim and r.itl_s]
+        return s.report(
+            trace,
+            killed_replica=victim,
+            **_resumes_since(s, resumes),
+            resume_stall_p50_s=percentile(stalls, 50),
+            resume_stall_p99_s=percentile(stalls, 99),
+            left_index_answers_s=purged,
+            blocks_purged_s=reaped,
+            replacement_registered_s=replaced,
+            replacement_epoch_new=bool(new_ids),
+            replacement_gets_traffic=bool(new_ids & served_by),
+            whole_after_s=time.monotonic() - killed if replaced is not None else None,
+        )
+
+
+def repeated_kills(args: argparse.Namespace) -> dict[str, Any]:
+    """A replica killed every ``--kill-every-s`` under load, ``--kills`` times."""
+    with Scenario() as s:
+        trace = fault_trace(args.rate, args.kill_every_s * (args.kills + 1))
+        s.load(trace)
+        resumes, victims = resume_counts(s.cluster.base_url), []
+        for i in range(args.kills):
+            time.sleep(args.kill_every_s)
+            live = sorted(s.stats().items())
+            if not live:
+                continue
+            victim, stats = live[i % len(live)]
+            os.kill(stats["pid"], signal.SIGKILL)
+            victims.append(victim)
+        s.wait_load(600)
+        return s.report(trace, kills=len(victims), **_resumes_since(s, resumes))
+
+
+def scale_down(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine deployment goes from 3 replicas to 2 (``serve deploy``, in place) under
+    load: one replica drains, the two others keep serving (and keep their caches)."""
+    with Scenario(num_replicas=3) as s:
+        trace = fault_trace(args.rate, args.duration_s)
+        s.load(trace)
+        time.sleep(args.duration_s * 0.3)
+        resumes, before = resume_counts(s.cluster.base_url), set(s.index.live_replicas())
+        s.cluster.scale(2)
+        left = wait_for(lambda: len(s.index.live_replicas()) == 2, 120)
+        kept = set(s.index.live_replicas()) & before
+        s.args = s.args.model_copy(update={"num_replicas": 2})
+        s.wait_load()
+        return s.report(
+            trace,
+            scaled="3 -> 2",
+            drained_s=left,
+            replicas_kept=len(kept),
+            **_resumes_since(s, resumes),
+        )
+
+
+def _resumes_since(s: Scenario, before: dict[str, float]) -> dict[str, float]:
+    after = resume_counts(s.cluster.base_url)
+    return {f"{k}_requests": after[k] - before[k] for k in after}
+
+
+def redis_slow(args: argparse.Namespace) -> dict[str, Any]:
+    with Scenario() as s:
+        trace = fault_trace(args.rate, args.duration_s)
+        stop = threading.Event()
+
+        def stall() -> None:
+            client = redis.Redis.from_url(s.redis.url)
+            while not stop.is_set():
+                client.execute_command("DEBUG", "SLEEP", "0.5")
+                time.sleep(0.1)
+
+        staller = threading.Thread(target=stall, daemon=True)
+        s.load(trace)
+        time.sleep(args.duration_s * 0.2)
+        staller.start()
+        time.sleep(args.duration_s * 0.5)
+        stop.set()
+        staller.join()
+        s.wait_load()
+        route = s.cluster.stats()
+        return s.report(
+            trace,
+            route_p50_ms=(route["decision_p50_s"] or 0) * 1e3,
+            route_p99_ms=(route["decision_p99_s"] or 0) * 1e3,
+        )
+
+
+def overload(args: argparse.Namespace) -> dict[str, Any]:
+    with Scenario(max_queued_requests=32) as s:
+        rss_before = {r: st["rss_mb"] for r, st in s.stats().items()}
+        trace = fault_trace(40.0, 10.0, workload="chat", seed=3)
+        s.load(trace)
+        s.wait_load()
+        shed = [r.latency_s for r in s.results if r.status == 503 and r.latency_s]
+        accepted = [r.latency_s for r in s.results if r.status == 200 and r.latency_s]
+        return s.report(
+            trace,
+            offered_per_s=40.0,
+            shed_503=sum(1 for r in s.results if r.status == 503),
+            shed_latency_p99_s=percentile(shed, 99),
+            accepted_latency_p99_s=percentile(accepted, 99),
+            replica_rss_mb_before=rss_before,
+            replica_rss_mb_after={r: st["rss_mb"] for r, st in s.stats().items()},
+        )
+
+
+def soak(args: argparse.Namespace) -> dict[str, Any]:
+    with Scenario() as s:
+        rate = args.soak_rate / 3
+        traces = [
+            fault_trace(rate, args.soak_s, workload=w, seed=i)
+            for i, w in enumerate(("multi_tenant", "multi_turn", "random"))
+        ]
+        merged = sorted(
+            (
+                TraceRequest(f"{i}-{r.request_id}", r.arrival_s, r.prompt, r.max_tokens, r.group)
+                for i, t in enumerate(traces)
+                for r in t
+            ),
+            key=lambda r: r.arrival_s,
+        )
+        s.load(merged)
+        s.wait_load(args.soak_s + 300)
+        return s.report(merged, duration_s=args.soak_s)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    out = args.out or Path("results/faults")
+    runners = {
+        f.__name__: f
+        for f in (redis_kill, replica_kill, repeated_kills, scale_down, redis_slow, overload, soak)
+    }
+    report: dict[str, Any] = {}
+    for name in args.scenarios.split(","):
+        t0 = time.monotonic()
+        try:
+            report[name] = runners[name](args)
+        except Exception as exc:  # a scenario that cannot run is reported, not dropped
+            report[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        report[name]["scenario_s"] = time.monotonic() - t0
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "faults.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (out / "faults.md").write_text(faults_markdown(report) + "\n")
+    return report

@@ -1,0 +1,228 @@
+"""``routing``: policies compared on the real cluster, one trace, one cluster per policy.
+
+For each arrival rate and policy: start ``serve run`` (Ray Serve, engine replicas, the Redis
+index) with that policy, warm it up, replay the trace over HTTP as an outside client
+(streaming), read the engines' own counters from the index, stop the cluster. Writes
+``results.json``, ``results.md`` and PNG plots to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.harness.launcher import ServeCluster
+from bench.harness.redis_server import LocalRedis
+from bench.loadgen import drive, progress_printer
+from bench.report import combine, slug, summarize, write_report
+from bench.workloads import (
+    WORKLOADS,
+    TraceRequest,
+    WorkloadSpec,
+    load_trace,
+    make_trace,
+    oracle_hit_rate,
+    save_trace,
+)
+from cluster.config import ClusterArgs
+from kvindex.index import BlockIndex, IndexConfig
+from replica.checkpoints import TINY_MODEL, checkpoint_for
+from replica.config import EngineConfig
+from router.config import RoutingConfig
+
+POLICIES = ("round_robin", "prefill_cost", "cache_aware", "ray_default", "ray_prefix")
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """Trace options shared with the simulator."""
+    parser.add_argument("--workload", choices=WORKLOADS, default="multi_tenant")
+    parser.add_argument(
+        "--model", default=TINY_MODEL, help="EngineConfig.model (the tiny model is fastest)"
+    )
+    parser.add_argument("--trace", type=Path, help="replay this JSONL trace instead")
+    parser.add_argument("--requests", type=int, default=120)
+    parser.add_argument("--rates", default="4", help="arrival rates per second, comma-separated")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--tenants", type=int, default=16)
+    parser.add_argument("--zipf", type=float, default=1.1)
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--system-chars", type=int, default=600)
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--replicas", default="2")
+    parser.add_argument("--epsilon", type=float, default=0.25, help="bounded load factor")
+    parser.add_argument(
+        "--num-blocks", type=int, default=256, help="KV blocks per replica (small: contended)"
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser)
+    parser.add_argument("--redis-url", help="use this Redis (default: start a local one)")
+    parser.add_argument("--ingress-replicas", type=int, default=1)
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs per policy, in ABBA order (spread reported)"
+    )
+    parser.add_argument("--knobs", help="RoutingConfig overrides, JSON")
+
+
+def traces(args: argparse.Namespace) -> dict[float, list[TraceRequest]]:
+    """One trace per arrival rate (or the given trace file, at its own times)."""
+    if args.trace is not None:
+        return {0.0: load_trace(args.trace)}
+    return {
+        rate: make_trace(
+            WorkloadSpec(
+                args.workload,
+                num_requests=args.requests,
+                rate=rate,
+                seed=args.seed,
+                system_chars=args.system_chars,
+                tenants=args.tenants,
+                zipf=args.zipf,
+                conversations=args.conversations,
+            )
+        )
+        for rate in (float(r) for r in args.rates.split(","))
+    }
+
+
+def section_name(rate: float) -> str:
+    return "trace file" if rate == 0.0 else f"rate {rate:g}/s"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    out = args.out or Path(f"results/routing-{args.workload}")
+    policies = [p for p in args.policies.split(",") if p]
+    engine = EngineConfig(model=args.model, num_threads=1, num_blocks=args.num_blocks)
+    hasher, tokenizer = engine.block_hasher(), checkpoint_for(engine.model).tokenizer()
+    payload: dict[str, Any] = {
+        "title": f"Routing policies on the real cluster: {args.workload}, {args.replicas} replicas",
+        "workload": vars(args) | {"out": str(out), "trace": str(args.trace)},
+        "runs": {},
+        "oracle": {},
+    }
+    with contextlib.ExitStack() as stack:
+        url = args.redis_url or stack.enter_context(LocalRedis()).url
+        for rate, trace in traces(args).items():
+            section = section_name(rate)
+            out.mkdir(parents=True, exist_ok=True)
+            save_trace(out / f"trace-{slug(section)}.jsonl", trace)
+            oracle = oracle_hit_rate(trace, hasher, tokenizer)
+            payload["oracle"][section] = oracle
+            runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+            for rep in range(args.repeats):  # ABBA: drift over the session hits all alike
+                for policy in policies if rep % 2 == 0 else policies[::-1]:
+                    label = f"{section} {policy} ({rep + 1}/{args.repeats})"
+                    runs[policy].append(run_policy(args, policy, trace, url, engine, label))
+            payload["runs"][section] = {
+                p: combine(r) | {"oracle_hit_rate": oracle} for p, r in runs.items()
+            }
+    payload["conditions"] = (
+        f"{args.replicas} engine replicas x {args.num_blocks} blocks of {engine.block_size} "
+        f"tokens; {args.ingress_replicas} ingress replica(s); {args.requests} requests; seed "
+        f"{args.seed}; {args.repeats} run(s) per policy (median, min-max); measured "
+        f"{time.strftime('%F')}"
+    )
+    payload["sweeps"] = [s for s in (_rate_sweep(payload),) if s is not None]
+    return write_report(out, payload)
+
+
+def run_policy(
+    args: argparse.Namespace,
+    policy: str,
+    trace: list[TraceRequest],
+    redis_url: str,
+    engine: EngineConfig,
+    label: str,
+) -> dict[str, Any]:
+    namespace = f"exp-{os.getpid()}-{time.monotonic_ns()}"
+    knobs = json.loads(args.knobs) if args.knobs else {}
+    cluster_args = ClusterArgs(
+        num_replicas=int(args.replicas),
+        ingress_replicas=args.ingress_replicas,
+        engine=engine,
+        max_queued_requests=-1,  # an experiment measures queueing; it does not shed
+        routing=RoutingConfig(policy=policy, epsilon=args.epsilon, **knobs),
+        index=IndexConfig(url=redis_url, cluster=namespace),
+    )
+    cluster = ServeCluster(cluster_args)
+    try:
+        cluster.start()
+    except Exception as exc:  # a peer that cannot run is reported, not dropped
+        return {"error": f"cluster did not start ({type(exc).__name__}: {exc})"}
+    metrics: dict[str, Any] = {"error": "the run did not finish"}
+    try:
+        replicas = int(args.replicas)
+        _warm_up(cluster.base_url, engine.model_id, replicas)
+        index = BlockIndex(cluster_args.index, engine.model_id)
+        before = _fresh_stats(index, replicas)
+        results, makespan = drive(
+            cluster.base_url, engine.model_id, trace, 120.0, progress_printer(label)
+        )
+        after = _fresh_stats(index, replicas, newer_than=time.time())
+        metrics = summarize(results, makespan, sorted(after))
+
+        def delta(key: str) -> int:  # what the engines counted during the run
+            return sum(after[r][key] - before.get(r, {}).get(key, 0) for r in after)
+
+        prompt, cached = delta("prompt_tokens"), delta("cached_prompt_tokens")
+        metrics["hit_rate_engine"] = cached / prompt if prompt else 0.0
+        if policy != "ray_prefix":  # Ray's prefix router is not timed
+            stats = cluster.stats()
+            metrics["decision_p50_ms"] = (stats["decision_p50_s"] or 0) * 1e3
+            metrics["decision_p99_ms"] = (stats["decision_p99_s"] or 0) * 1e3
+            counters = stats.get("index") or {}  # queries answered "unknown" (routed blind)
+            unknown = counters.get("query_failures", 0) + counters.get("queries_skipped", 0)
+            metrics["index_unknown"] = unknown
+        if metrics["requests_ok"] == 0:
+            metrics["error"] = f"no request succeeded: {metrics['errors']}"
+        return metrics
+    finally:
+        cluster.stop(keep_logs="error" in metrics)
+
+
+def _warm_up(base_url: str, model: str, replicas: int) -> None:
+    """A few short, unrelated requests, so no replica's first request is the timed one."""
+    for i in range(4 * replicas):
+        body = {"model": model, "prompt": f"warm up {i} {os.urandom(4).hex()}", "max_tokens": 2}
+        httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
+
+
+def _fresh_stats(
+    index: BlockIndex, replicas: int, newer_than: float = 0.0, timeout_s: float = 15.0
+) -> dict[str, dict[str, Any]]:
+    """Every replica's counters, reported after ``newer_than`` (a wall-clock time)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = index.replica_stats()
+        fresh = {r: s for r, s in stats.items() if s.get("time", 0) >= newer_than}
+        if len(fresh) >= replicas or time.monotonic() > deadline:
+            return fresh
+        time.sleep(0.2)
+
+
+def _rate_sweep(payload: dict[str, Any]) -> dict[str, Any] | None:
+    """TTFT p50 against arrival rate, when several rates were run."""
+    sections = [s for s in payload["runs"] if s.startswith("rate ")]
+    if len(sections) < 2:
+        return None
+    series: dict[str, list[tuple[float, float]]] = {}
+    for section in sections:
+        rate = float(section.split()[1].removesuffix("/s"))
+        for policy, m in payload["runs"][section].items():
+            if "error" not in m and m.get("ttft_p50_s") is not None:
+                series.setdefault(policy, []).append((rate, m["ttft_p50_s"]))
+    return {
+        "series": series,
+        "x": "arrival rate (requests/s)",
+        "y": "TTFT p50 (s)",
+        "title": "TTFT vs load",
+        "file": "ttft_vs_rate.png",
+    }

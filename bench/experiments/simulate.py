@@ -1,0 +1,165 @@
+"""``simulate``: the routing experiment on simulated replicas (``bench.sim.simulator``).
+
+Same traces, policies and report as ``routing``; ``--replicas`` may list several counts
+(a sweep of hit rate and load imbalance against cluster size). With ``--per-replica``, the
+request count and arrival rates are per replica, so every cluster size sees the same load
+per replica. ``--calibrate`` measures the real engine first and stores the cost model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.experiments.routing import add_workload_arguments, section_name, traces
+from bench.report import summarize, write_report
+from bench.sim.cost_model import DEFAULT_CALIBRATION, CostModel, calibrate
+from bench.sim.peer_policies import RayPrefixSim
+from bench.sim.simulator import Simulation
+from bench.workloads import TraceRequest, oracle_hit_rate
+from replica.checkpoints import checkpoint_for
+from replica.config import EngineConfig
+from router.config import RoutingConfig, make_policy
+from router.policies import RoutingPolicy
+
+OURS = ("round_robin", "prefix_affinity", "cache_aware", "prefill_cost")
+PEERS = ("ray_prefix_sim", "ray_prefix_sim_t10", "sglang_cache_aware", "dynamo_kv")
+SIMULATED = OURS + PEERS
+
+
+def sim_policy(name: str, epsilon: float = 0.25, knobs: str | None = None) -> RoutingPolicy:
+    """A policy by name: ours and the peers' models (Ray's with its old imbalance threshold
+    of 10 as ``ray_prefix_sim_t10``); ``knobs`` (JSON) overrides ``RoutingConfig`` fields."""
+    if name == "ray_prefix_sim_t10":
+        return RayPrefixSim(imbalanced_threshold=10)
+    overrides = json.loads(knobs) if knobs else {}
+    return make_policy(RoutingConfig(policy=name, epsilon=epsilon, **overrides))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser)
+    parser.set_defaults(policies=",".join(SIMULATED))
+    parser.add_argument("--per-replica", action="store_true", help="requests and rates per replica")
+    parser.add_argument("--calibrate", action="store_true", help="measure the engine first")
+    parser.add_argument("--cost-model", type=Path, default=DEFAULT_CALIBRATION)
+    parser.add_argument("--max-ongoing-requests", type=int, default=32)
+    parser.add_argument(
+        "--knobs", help='RoutingConfig overrides as JSON, e.g. {"decode_cost_tokens": 8}'
+    )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    out = args.out or Path(f"results/simulate-{args.workload}")
+    engine = EngineConfig(model=args.model, num_threads=1, num_blocks=args.num_blocks)
+    tokenizer = checkpoint_for(engine.model).tokenizer()
+    if args.calibrate:
+        cost = calibrate(engine)
+        cost.save(args.cost_model)
+    else:
+        cost = CostModel.load(args.cost_model)
+    counts = [int(r) for r in str(args.replicas).split(",")]
+    policies = [p for p in args.policies.split(",") if p]
+    payload: dict[str, Any] = {
+        "title": f"Simulated cluster: {args.workload}",
+        "workload": vars(args) | {"out": str(out)},
+        "cost_model": cost.__dict__,
+        "runs": {},
+        "oracle": {},
+    }
+    started = time.monotonic()
+    for replicas in counts:
+        for rate, trace in traces(_scaled(args, replicas)).items():
+            section = f"{replicas} replicas, {section_name(rate)}"
+            oracle = oracle_hit_rate(trace, engine.block_hasher(), tokenizer)
+            payload["oracle"][section] = oracle
+            payload["runs"][section] = {
+                policy: _simulate(args, policy, replicas, engine, cost, trace)
+                | {"oracle_hit_rate": oracle}
+                for policy in policies
+            }
+    payload["wall_s"] = time.monotonic() - started
+    payload["conditions"] = (
+        f"cost model: {cost.base_s * 1e3:.2f} ms/step + "
+        f"{cost.prefill_token_s * 1e6:.1f} us/prefill token + "
+        f"{cost.decode_seq_s * 1e3:.2f} ms/decoding sequence ({cost.measured}); "
+        f"{args.num_blocks} blocks per replica"
+    )
+    payload["sweeps"] = _replica_sweeps(payload, counts, policies)
+    return write_report(out, payload)
+
+
+def _scaled(args: argparse.Namespace, replicas: int) -> argparse.Namespace:
+    """With ``--per-replica``, requests, rates and conversations grow with the cluster."""
+    if not args.per_replica:
+        return args
+    rates = ",".join(str(float(r) * replicas) for r in args.rates.split(","))
+    return argparse.Namespace(
+        **vars(args)
+        | {
+            "requests": args.requests * replicas,
+            "rates": rates,
+            "conversations": args.conversations * replicas,
+        }
+    )
+
+
+def _simulate(
+    args: argparse.Namespace,
+    policy: str,
+    replicas: int,
+    engine: EngineConfig,
+    cost: CostModel,
+    trace: list[TraceRequest],
+) -> dict[str, Any]:
+    if policy not in SIMULATED:
+        return {"error": "not simulated: Ray's own routers run only on the real cluster"}
+    t0 = time.monotonic()
+    sim = Simulation(
+        sim_policy(policy, args.epsilon, args.knobs),
+        replicas,
+        engine,
+        cost,
+        args.max_ongoing_requests,
+    )
+    results, makespan = sim.run(trace)
+    metrics = summarize(results, makespan, sorted(sim.replicas))
+    return metrics | {"hit_rate_engine": sim.engine_hit_rate(), "wall_s": time.monotonic() - t0}
+
+
+def _replica_sweeps(
+    payload: dict[str, Any], counts: list[int], policies: list[str]
+) -> list[dict[str, Any]]:
+    """One plot per metric against cluster size, a line per policy (and the oracle)."""
+    if len(counts) < 2:
+        return []
+    sweeps = []
+    for key, label, file in (
+        ("hit_rate_engine", "prompt-token hit rate", "hit_rate_vs_replicas.png"),
+        ("load_imbalance", "load imbalance (max/mean requests)", "imbalance_vs_replicas.png"),
+        ("work_imbalance", "work imbalance (max/mean tokens run)", "work_vs_replicas.png"),
+        ("ttft_p99_s", "TTFT p99 (s)", "ttft_p99_vs_replicas.png"),
+        ("ttft_p50_s", "TTFT p50 (s)", "ttft_p50_vs_replicas.png"),
+    ):
+        series: dict[str, list[tuple[float, float]]] = {}
+        for section, runs in payload["runs"].items():
+            replicas = int(section.split()[0])
+            for policy in policies:
+                m = runs.get(policy, {})
+                if "error" not in m and m.get(key) is not None:
+                    series.setdefault(policy, []).append((replicas, m[key]))
+            if key == "hit_rate_engine":
+                series.setdefault("oracle", []).append((replicas, payload["oracle"][section]))
+        sweeps.append(
+            {
+                "series": series,
+                "x": "replicas",
+                "y": label,
+                "title": f"{label} vs replicas",
+                "file": file,
+                "log_x": True,
+            }
+        )
+    return sweeps

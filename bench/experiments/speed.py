@@ -1,0 +1,236 @@
+"""``speed``: prefill and decode throughput of our engine next to its peers, alternated.
+
+Same checkpoint, same token ids, same dtype and torch threads, one run. Prefill: one
+``--prefill-tokens`` prompt, one token out (tokens/s = prompt tokens / seconds). Decode at
+batch B: B chat prompts (the support system prompt and B distinct questions) submitted
+together; decode tokens/s = B x (N - 1) / (T_N - T_1), where T_k is the time to generate k
+tokens each, so the prefill cancels out; output tokens/s = B x N / T_N. Every engine's
+prefix cache is emptied before every timed run.
+
+Every engine stays loaded for the whole run (vLLM in its own process, answering one job at a
+time), and each timed job runs on every engine in turn, the order reversed on every repeat
+(A B B A ...), so a slow minute of this shared machine falls on all of them. Each cell
+reports the median over repeats and the spread (min and max); a ratio between two engines
+is taken repeat by repeat (each pair ran back to back) and reported the same way.
+
+Peers: ``ours`` (the engine as deployed: ``deterministic: true``), ``ours-nondet``
+(``deterministic: false``: what invariance costs), ``transformers``, ``vllm``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from bench.assistant_prompts import (
+    LONG_DOCUMENT,
+    SUPPORT_QUESTIONS,
+    SUPPORT_SYSTEM_PROMPT,
+)
+from bench.peers.engines import (
+    DEFAULT_VLLM_VENV,
+    TransformersPeer,
+    VllmSession,
+    ensure_hf_folder,
+    ensure_vllm_venv,
+)
+from bench.workloads import TraceRequest
+from replica.checkpoints import SMOLLM2, checkpoint_for
+from replica.checkpoints.tokenizer import Tokenizer
+from replica.engine import Engine, EngineConfig, SamplingParams
+
+PEERS = ("ours", "ours-nondet", "transformers", "vllm")
+
+
+class Peer(Protocol):
+    def time(self, prompts: list[list[int]], max_tokens: int) -> float:
+        """Seconds to generate ``max_tokens`` for every prompt, submitted together, with an
+        empty prefix cache."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=SMOLLM2)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--peers", default="ours,vllm", help=f"some of {','.join(PEERS)}")
+    parser.add_argument("--prefill-tokens", type=int, default=1024)
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--decode-tokens", type=int, default=64, help="N: tokens per request")
+    parser.add_argument("--repeats", type=int, default=4, help="per engine and job (ABBA)")
+    parser.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV)
+
+
+def workload(tokenizer: Tokenizer, prefill_tokens: int, batches: list[int]) -> dict[str, Any]:
+    """The prompts every engine gets: one long prompt, and up to max(batches) chats."""
+    document = tokenizer.encode(LONG_DOCUMENT * (prefill_tokens // 100 + 1))[:prefill_tokens]
+    chats = [
+        TraceRequest(
+            f"q{i}",
+            0.0,
+            f"{SUPPORT_QUESTIONS[i % 16]} (ticket {i})",
+            0,
+            system=SUPPORT_SYSTEM_PROMPT,
+        ).token_ids(tokenizer)
+        for i in range(max(batches))
+    ]
+    return {"prefill": document, "chats": chats}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    checkpoint = checkpoint_for(args.model)
+    batches = [int(b) for b in args.batches.split(",")]
+    prompts = workload(checkpoint.tokenizer(), args.prefill_tokens, batches)
+    names = args.peers.split(",")
+    peers = {name: _start(name, args, prompts, batches) for name in names}
+    try:
+        times = _alternate(peers, _jobs(prompts, batches, args.decode_tokens), args.repeats)
+    finally:
+        for peer in peers.values():
+            peer.close()
+    rates = {name: _rates(times[name], prompts, batches, args.decode_tokens) for name in names}
+    result: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "threads": args.threads}
+    for name in names:
+        result[name] = {cell: _summary(values) for cell, values in rates[name].items()}
+    for name in names[1:]:
+        result[f"{names[0]}_over_{name}"] = {
+            cell: _summary([a / b for a, b in zip(rates[names[0]][cell], values, strict=True)])
+            for cell, values in rates[name].items()
+        }
+    result["conditions"] = {
+        "torch": torch.__version__,
+        "repeats": args.repeats,
+        "decode_tokens": args.decode_tokens,
+        "order": "ABBA: each job on every engine in turn, the order reversed every repeat",
+    }
+    return result
+
+
+def _jobs(
+    prompts: dict[str, Any], batches: list[int], n: int
+) -> list[tuple[str, list[list[int]], int]]:
+    """(name, prompts, max_tokens) of every timed run, the same for every engine."""
+    jobs = [("prefill", [prompts["prefill"]], 1)]
+    for b in batches:
+        jobs += [(f"b{b}_t1", prompts["chats"][:b], 1), (f"b{b}_t{n}", prompts["chats"][:b], n)]
+    return jobs
+
+
+def _alternate(
+    peers: dict[str, Peer], jobs: list[tuple[str, list[list[int]], int]], repeats: int
+) -> dict[str, dict[str, list[float]]]:
+    """Seconds of every job on every engine, repeat by repeat, in ABBA order."""
+    times: dict[str, dict[str, list[float]]] = {name: {} for name in peers}
+    order = list(peers)
+    for job, batch, n in jobs:
+        for rep in range(repeats):
+            for name in order if rep % 2 == 0 else order[::-1]:
+                times[name].setdefault(job, []).append(peers[name].time(batch, n))
+    return times
+
+
+def _rates(
+    times: dict[str, list[float]], prompts: dict[str, Any], batches: list[int], n: int
+) -> dict[str, list[float]]:
+    """Each cell's rate per repeat."""
+    rates = {"prefill_tokens_per_s": [len(prompts["prefill"]) / t for t in times["prefill"]]}
+    for b in batches:
+        pairs = list(zip(times[f"b{b}_t1"], times[f"b{b}_t{n}"], strict=True))
+        rates[f"decode_tokens_per_s_b{b}"] = [b * (n - 1) / (tn - t1) for t1, tn in pairs]
+        rates[f"output_tokens_per_s_b{b}"] = [b * n / tn for _, tn in pairs]
+    return rates
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+class EnginePeer:
+    """Our engine in this process."""
+
+    def __init__(self, config: EngineConfig, warm: list[int]) -> None:
+        self.engine = Engine(config)
+        self.engine.generate([warm], SamplingParams(max_tokens=4))
+
+    def time(self, prompts: list[list[int]], max_tokens: int) -> float:
+        self.engine.reset_prefix_cache()
+        start = time.perf_counter()
+        self.engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        pass
+
+
+class HFPeer:
+    def __init__(self, peer: TransformersPeer, warm: list[int]) -> None:
+        self.peer = peer
+        peer.generate([warm], 4)
+
+    def time(self, prompts: list[list[int]], max_tokens: int) -> float:
+        return self.peer.generate(prompts, max_tokens)
+
+    def close(self) -> None:
+        pass
+
+
+class VllmPeer:
+    """vLLM CPU in its own virtualenv and process, answering one job at a time."""
+
+    def __init__(self, args: argparse.Namespace, warm: list[int], batches: list[int]) -> None:
+        folder = ensure_hf_folder(checkpoint_for(args.model), Path("results") / f"{args.model}-hf")
+        spec = {
+            "model": str(folder),
+            "dtype": args.dtype,
+            "threads": args.threads,
+            "max_model_len": 4096,
+            "max_num_seqs": max(batches),
+        }
+        log = Path("results") / "speed-vllm.log"
+        self.session = VllmSession(ensure_vllm_venv(args.vllm_venv), spec, log)
+        self.time([warm], 4)
+
+    def time(self, prompts: list[list[int]], max_tokens: int) -> float:
+        job = {"kind": "generate", "prompts": prompts, "max_tokens": max_tokens, "repeats": 1}
+        return self.session.run(job)["seconds"][0]
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def _start(
+    name: str, args: argparse.Namespace, prompts: dict[str, Any], batches: list[int]
+) -> Peer:
+    warm = prompts["chats"][0]
+
+    def ours(deterministic: bool) -> Callable[[], Peer]:
+        config = EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            num_threads=args.threads,
+            num_blocks=2048,
+            max_num_seqs=max(batches),
+            deterministic=deterministic,
+        )
+        return lambda: EnginePeer(config, warm)
+
+    starts: dict[str, Callable[[], Peer]] = {
+        "ours": ours(True),
+        "ours-nondet": ours(False),
+        "transformers": lambda: HFPeer(
+            TransformersPeer(checkpoint_for(args.model), getattr(torch, args.dtype)), warm
+        ),
+        "vllm": lambda: VllmPeer(args, warm, batches),
+    }
+    if name not in starts:
+        raise SystemExit(f"unknown peer {name!r}: choose from {', '.join(PEERS)}")
+    return starts[name]()

@@ -1,0 +1,1 @@
+"""Real clusters and Redis servers for the tests and the experiments."""

@@ -1,0 +1,206 @@
+"""Start and stop a real cluster the way a user does: ``serve run`` on a config file.
+
+Used by the end-to-end tests and the routing experiments. The config is written from
+``ClusterArgs``; ``serve run`` starts its own local Ray instance, and stopping it stops both.
+Given a ``ray_address`` (an existing, possibly multi-node Ray cluster), ``serve run`` joins
+it as ``RAY_ADDRESS`` does, and stopping shuts down the application only: the Ray cluster
+belongs to whoever started it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+import yaml
+
+from bench.harness.redis_server import free_port
+from cluster.config import ClusterArgs
+from kvindex.index import BlockIndex
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def serve_config(
+    args: ClusterArgs, port: int, app_name: str = "llm", proxy_location: str = "HeadOnly"
+) -> dict[str, Any]:
+    """A ``serve run`` config for one application built by ``cluster.app:build_app``. One
+    proxy, on the head node: nodes sharing a host cannot each bind the port (on Kubernetes,
+    ``EveryNode`` behind the serve Service is the convention; see deploy/kubernetes)."""
+    return {
+        "proxy_location": proxy_location,
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [
+            {
+                "name": app_name,
+                "route_prefix": "/",
+                "import_path": "cluster.app:build_app",
+                "args": args.model_dump(mode="json", exclude_none=True),
+            }
+        ],
+    }
+
+
+def _default_sigint() -> None:
+    """A shell's background jobs (CI, nohup) inherit SIGINT ignored, and Python then never
+    raises KeyboardInterrupt, so ``serve run`` would skip its graceful shutdown."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+class ServeCluster:
+    """``serve run`` in a subprocess, ready when every engine replica has registered."""
+
+    def __init__(
+        self,
+        args: ClusterArgs,
+        port: int | None = None,
+        log_path: Path | None = None,
+        ray_address: str | None = None,
+    ) -> None:
+        self.args = args
+        self.ray_address = ray_address
+        self.port = port or free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self._dir = Path(tempfile.mkdtemp(prefix="serve-"))
+        self.log_path = log_path or self._dir / "serve.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 180.0) -> ServeCluster:
+        config = self._dir / "config.yaml"
+        config.write_text(yaml.safe_dump(serve_config(self.args, self.port)))
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+        # the experiments may name classes of bench/ (not installed) in the config: Ray's
+        # workers inherit this path from the driver
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        if self.ray_address is not None:
+            env["RAY_ADDRESS"] = self.ray_address
+        serve = Path(sys.executable).with_name("serve")
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                [str(serve), "run", str(config)],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_default_sigint,
+            )
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop(keep_logs=True)
+            raise
+        return self
+
+    def stop(self, timeout_s: float = 60.0, keep_logs: bool = False) -> None:
+        """SIGINT first: ``serve run`` then shuts Serve down gracefully (replicas run their
+        destructors and leave the index). SIGTERM if that hangs (Ray stops, destructors do
+        not run), SIGKILL last.
+
+        The temporary folder (config and ``serve.log``) is removed after a graceful stop,
+        and kept for a post-mortem when ``keep_logs`` is set (a failed test or run) or the
+        stop was not graceful; its path is then printed on stderr."""
+        graceful = True
+        if self._proc is not None:
+            graceful = self._signal_until_stopped(timeout_s)
+            self._proc = None
+            if self.ray_address is None:
+                # the backstop: nothing of this Ray instance may outlive the cluster
+                ray = Path(sys.executable).with_name("ray")
+                subprocess.run([str(ray), "stop", "--force"], capture_output=True, timeout=120)
+        if keep_logs or not graceful:
+            sys.stderr.write(f"serve run's config and log are kept in {self._dir}\n")
+        elif self._dir.exists():
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _signal_until_stopped(self, timeout_s: float) -> bool:
+        """SIGINT, then SIGTERM, then SIGKILL; True if SIGINT alone stopped it cleanly."""
+        assert self._proc is not None
+        for sig, wait_s in ((signal.SIGINT, timeout_s), (signal.SIGTERM, 30.0)):
+            if self._proc.poll() is not None:
+                break
+            self._proc.send_signal(sig)
+            try:
+                self._proc.wait(timeout=wait_s)
+                return sig == signal.SIGINT and self._proc.returncode == 0
+            except subprocess.TimeoutExpired:
+                continue
+        if self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
+        return False
+
+    def scale(self, num_replicas: int, timeout_s: float = 120.0) -> None:
+        """Scale the engine deployment as an operator would: ``serve deploy`` of the same
+        config with ``num_replicas`` set for ``EngineReplica`` in its ``deployments``
+        section. Serve treats that as a lightweight update: it starts or drains replicas and
+        leaves the others (and their caches) alone. (Changing ``args`` instead would be a
+        code update, which replaces every replica.)"""
+        config = serve_config(self.args, self.port)
+        config["applications"][0]["deployments"] = [
+            {"name": "EngineReplica", "num_replicas": num_replicas}
+        ]
+        path = self._dir / "redeploy.yaml"
+        path.write_text(yaml.safe_dump(config))
+        serve = Path(sys.executable).with_name("serve")
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+        address = ["--address", self.dashboard_url()]
+        subprocess.run(
+            [str(serve), "deploy", str(path), *address],
+            cwd=REPO,
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=timeout_s,
+        )
+
+    def dashboard_url(self) -> str:
+        """The Ray dashboard this ``serve run`` started (read from its log)."""
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if "dashboard at" in line.lower() and "http" in line:
+                return "http" + line.split("http", 1)[1].split()[0].rstrip(".")
+        return "http://127.0.0.1:8265"
+
+    def stats(self) -> dict[str, Any]:
+        """The ingress's ``/cluster/stats`` (with the first API key, if keys are set)."""
+        keys = self.args.api_keys
+        headers = {"authorization": f"Bearer {keys[0]}"} if keys else {}
+        return httpx.get(f"{self.base_url}/cluster/stats", headers=headers, timeout=10).json()
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        index = BlockIndex(self.args.index, self.args.engine.model_id)
+        while time.monotonic() < deadline:
+            if self._proc is not None and self._proc.poll() is not None:
+                raise RuntimeError(f"serve run exited; see {self.log_path}")
+            try:
+                healthy = httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                healthy = False
+            scaling = self.args.autoscaling
+            wanted = scaling.min_replicas if scaling else self.args.num_replicas
+            if healthy and (not index.ping() or len(index.live_replicas()) >= wanted):
+                index.close()
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"cluster not ready after {timeout_s:.0f} s; see {self.log_path}")
+
+    def __enter__(self) -> ServeCluster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop(keep_logs=exc_type is not None)

@@ -1,0 +1,1 @@
+"""The engines and routers we measure ourselves against, run beside ours."""

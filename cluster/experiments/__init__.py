@@ -1,1 +1,0 @@
-"""Experiments: ``python -m cluster.experiments <name> --out PATH``; each prints its JSON last."""

@@ -1,0 +1,285 @@
+"""The index's Lua scripts: every index operation is one of these, one round trip.
+
+Key layout and semantics are documented in ``kvindex.index``. Every script that writes a
+replica's blocks first checks the caller's epoch, so a replaced replica cannot write.
+"""
+
+# Shared by the scripts: drop everything of replica ``rid``: its blocks, predicted blocks,
+# footprint, stats, bookings and load.
+PURGE = """
+local function purge(ns, rid)
+  local rkey, pr = ns .. ':r:' .. rid, ns .. ':pr:' .. rid
+  local blocks = redis.call('SMEMBERS', rkey)
+  for _, h in ipairs(blocks) do redis.call('SREM', ns .. ':b:' .. h, rid) end
+  for _, h in ipairs(redis.call('ZRANGE', pr, 0, -1)) do
+    redis.call('ZREM', ns .. ':pb:' .. h, rid)
+  end
+  redis.call('DEL', rkey, pr, ns .. ':stats:' .. rid, ns .. ':bk:' .. rid, ns .. ':bt:' .. rid)
+  redis.call('HDEL', ns .. ':fp', rid)
+  redis.call('HDEL', ns .. ':loads', rid .. ':prefill', rid .. ':active', rid .. ':decode')
+  return #blocks
+end
+"""
+
+# Shared: the server's clock in ms (bookings and predictions expire by it, whoever writes).
+NOW = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
+# Shared: add to a replica's totals in the one loads hash (Redis refuses "-0" as an
+# integer: zero is skipped), and take a booking off them (``fields`` = "prefill:decode").
+UNBOOK = """
+local function add(ns, rep, field, n)
+  if n ~= 0 then
+    redis.call('HINCRBY', ns .. ':loads', rep .. ':' .. field, string.format('%d', n))
+  end
+end
+local function unbook(ns, rep, req)
+  local bt = ns .. ':bt:' .. rep
+  local fields = redis.call('HGET', bt, req)
+  if not fields then return 0 end
+  local sep = string.find(fields, ':')
+  add(ns, rep, 'prefill', -tonumber(string.sub(fields, 1, sep - 1)))
+  add(ns, rep, 'decode', -tonumber(string.sub(fields, sep + 1)))
+  add(ns, rep, 'active', -1)
+  redis.call('HDEL', bt, req)
+  redis.call('ZREM', ns .. ':bk:' .. rep, req)
+  return 1
+end
+"""
+
+# Shared: the registered replicas whose heartbeat is current, as a set (one MGET, in
+# chunks that stay far below Lua's stack limit for unpack).
+LIVE = """
+local function live_replicas(ns)
+  local reg = redis.call('HGETALL', ns .. ':replicas')
+  local live, order = {}, {}
+  for first = 1, #reg, 2000 do
+    local last = math.min(first + 1999, #reg)
+    local keys = {}
+    for i = first, last, 2 do keys[#keys + 1] = ns .. ':hb:' .. reg[i] end
+    local beats = redis.call('MGET', unpack(keys))
+    for j, beat in ipairs(beats) do
+      local i = first + 2 * (j - 1)
+      if beat == reg[i + 1] then
+        live[reg[i]] = true
+        order[#order + 1] = reg[i]
+      else
+        live[reg[i]] = false
+      end
+    end
+  end
+  return live, order
+end
+"""
+
+# KEYS: none (all keys derive from ARGV[1] = ns). ARGV: ns, rid, epoch, ttl_ms.
+REGISTER = (
+    PURGE
+    + """
+local ns, rid, epoch = ARGV[1], ARGV[2], ARGV[3]
+local old = redis.call('HGET', ns .. ':replicas', rid)
+local purged = 0
+if old ~= epoch then purged = purge(ns, rid) end
+redis.call('HSET', ns .. ':replicas', rid, epoch)
+redis.call('SET', ns .. ':hb:' .. rid, epoch, 'PX', ARGV[4])
+return purged
+"""
+)
+
+# ARGV: ns, rid, epoch. Purges and forgets the replica if the epoch is still its own.
+DEREGISTER = (
+    PURGE
+    + """
+local ns, rid = ARGV[1], ARGV[2]
+if redis.call('HGET', ns .. ':replicas', rid) ~= ARGV[3] then return -1 end
+local n = purge(ns, rid)
+redis.call('HDEL', ns .. ':replicas', rid)
+redis.call('DEL', ns .. ':hb:' .. rid)
+return n
+"""
+)
+
+# ARGV: ns, rid, epoch, ttl_ms, stats json ('' for none). 1 = refreshed, 0 = not
+# registered with this epoch.
+HEARTBEAT = """
+local ns, rid, epoch = ARGV[1], ARGV[2], ARGV[3]
+if redis.call('HGET', ns .. ':replicas', rid) ~= epoch then return 0 end
+redis.call('SET', ns .. ':hb:' .. rid, epoch, 'PX', ARGV[4])
+if ARGV[5] ~= '' then redis.call('SET', ns .. ':stats:' .. rid, ARGV[5], 'PX', ARGV[4]) end
+return 1
+"""
+
+# ARGV: ns, rid, epoch, replace (0/1), n_stored, stored..., removed...
+# replace = 1 makes the stored hashes the replica's whole set (a resync).
+PUBLISH = (
+    PURGE
+    + """
+local ns, rid, epoch = ARGV[1], ARGV[2], ARGV[3]
+if redis.call('HGET', ns .. ':replicas', rid) ~= epoch then return -1 end
+if ARGV[4] == '1' then purge(ns, rid) end
+local n_stored = tonumber(ARGV[5])
+local rkey = ns .. ':r:' .. rid
+for i = 6, 5 + n_stored do
+  redis.call('SADD', ns .. ':b:' .. ARGV[i], rid)
+  redis.call('SADD', rkey, ARGV[i])
+end
+for i = 6 + n_stored, #ARGV do
+  redis.call('SREM', ns .. ':b:' .. ARGV[i], rid)
+  redis.call('SREM', rkey, ARGV[i])
+end
+local footprint = redis.call('SCARD', rkey)
+redis.call('HSET', ns .. ':fp', rid, footprint)
+return footprint
+"""
+)
+
+# ARGV: ns, hashes... For every live replica: rid, leading hashes it holds (published,
+# stopping at its first miss), leading hashes predicted there (booked by a router, not
+# expired), its footprint (blocks held), and its booked prefill tokens, active requests and
+# decode blocks. Block-major: the chain is walked once, each block's holders read from its
+# own set, and the walk stops where no live replica continues, so a query costs the holders
+# of the prompt's matched blocks plus a few whole-hash reads, not a few calls per replica
+# (that grew to 43 ms of Redis time per query at 1,024 replicas).
+QUERY = (
+    NOW
+    + LIVE
+    + """
+local ns = ARGV[1]
+local now = now_ms()
+local live, order = live_replicas(ns)
+-- published runs: the replicas holding every block so far are intersected with the next
+-- block's holders in Redis (in C: SINTERCARD counts without copying, the common case when
+-- every holder continues; SINTERSTORE and SDIFF only where some drop out), and Lua names
+-- each replica once, at the block where it drops out
+local held, cur, nxt = {}, ns .. ':q:a', ns .. ':q:b'
+local size = #ARGV >= 2 and redis.call('SUNIONSTORE', cur, ns .. ':b:' .. ARGV[2]) or 0
+local i = 1
+while size > 0 do
+  local block = ARGV[i + 2] and ns .. ':b:' .. ARGV[i + 2]
+  local stay = block and redis.call('SINTERCARD', 2, cur, block) or 0
+  if stay < size then  -- some hold exactly blocks 1..i
+    if stay > 0 then redis.call('SINTERSTORE', nxt, cur, block) end
+    local gone = stay == 0 and redis.call('SMEMBERS', cur) or redis.call('SDIFF', cur, nxt)
+    for _, rid in ipairs(gone) do held[rid] = i end
+    cur, nxt = nxt, cur
+  end
+  size, i = stay, i + 1
+end
+redis.call('DEL', ns .. ':q:a', ns .. ':q:b')
+-- predicted runs: few replicas per block (those routers just sent it to): walked in Lua
+local predicted, alive = {}, nil
+for i = 2, #ARGV do
+  local next_alive, any = {}, false
+  for _, rid in ipairs(redis.call('ZRANGEBYSCORE', ns .. ':pb:' .. ARGV[i], '(' .. now, '+inf')) do
+    if alive == nil or alive[rid] then next_alive[rid], predicted[rid], any = true, i - 1, true end
+  end
+  if not any then break end
+  alive = next_alive
+end
+local function as_map(flat)
+  local m = {}
+  for i = 1, #flat, 2 do m[flat[i]] = tonumber(flat[i + 1]) end
+  return m
+end
+local fp = as_map(redis.call('HGETALL', ns .. ':fp'))
+local loads = as_map(redis.call('HGETALL', ns .. ':loads'))
+local flat = {}
+for _, rid in ipairs(order) do
+  flat[#flat + 1] = rid
+  flat[#flat + 1] = held[rid] or 0
+  flat[#flat + 1] = predicted[rid] or 0
+  flat[#flat + 1] = fp[rid] or 0
+  flat[#flat + 1] = loads[rid .. ':prefill'] or 0
+  flat[#flat + 1] = loads[rid .. ':active'] or 0
+  flat[#flat + 1] = loads[rid .. ':decode'] or 0
+end
+return flat
+"""
+)
+
+# ARGV: ns, replica, request id, prefill tokens, decode blocks, booking ttl ms,
+# predict ttl ms, hashes... Books a routed request on its replica (first dropping that
+# replica's expired bookings: those whose release was lost) and records its prompt's
+# blocks as predicted-held there until the replica publishes them.
+BOOK = (
+    NOW
+    + UNBOOK
+    + """
+local ns, rep, req = ARGV[1], ARGV[2], ARGV[3]
+local now = now_ms()
+local bk = ns .. ':bk:' .. rep
+for _, old in ipairs(redis.call('ZRANGEBYSCORE', bk, '-inf', now)) do unbook(ns, rep, old) end
+unbook(ns, rep, req)
+redis.call('ZADD', bk, now + tonumber(ARGV[6]), req)
+redis.call('HSET', ns .. ':bt:' .. rep, req, ARGV[4] .. ':' .. ARGV[5])
+add(ns, rep, 'prefill', tonumber(ARGV[4]))
+add(ns, rep, 'decode', tonumber(ARGV[5]))
+add(ns, rep, 'active', 1)
+-- each block's predicted holders, by expiry; a block's key lives no longer than its newest
+-- prediction, so expired members go with it unless a router keeps predicting the block.
+-- The replica's own list of what was predicted there lets a purge find them.
+local ttl, pr = tonumber(ARGV[7]), ns .. ':pr:' .. rep
+redis.call('ZREMRANGEBYSCORE', pr, '-inf', now)
+for i = 8, #ARGV do
+  local pb = ns .. ':pb:' .. ARGV[i]
+  redis.call('ZADD', pb, now + ttl, rep)
+  redis.call('PEXPIRE', pb, ttl)
+  redis.call('ZADD', pr, now + ttl, ARGV[i])
+end
+if #ARGV >= 8 then redis.call('PEXPIRE', pr, ttl) end
+return 1
+"""
+)
+
+# ARGV: ns, replica, request id. Its prompt is computed: it no longer counts as prefill.
+PREFILL_DONE = (
+    UNBOOK
+    + """
+local ns, rep, req = ARGV[1], ARGV[2], ARGV[3]
+local bt = ns .. ':bt:' .. rep
+local fields = redis.call('HGET', bt, req)
+if not fields then return 0 end
+local sep = string.find(fields, ':')
+add(ns, rep, 'prefill', -tonumber(string.sub(fields, 1, sep - 1)))
+redis.call('HSET', bt, req, '0' .. string.sub(fields, sep))
+return 1
+"""
+)
+
+# ARGV: ns, replica, request id. The request is over (finished, failed or aborted).
+RELEASE = (
+    UNBOOK
+    + """
+return unbook(ARGV[1], ARGV[2], ARGV[3])
+"""
+)
+
+
+# ARGV: ns, min interval ms (0: always). Purges and forgets every registered replica whose
+# heartbeat has expired. Every replica calls this now and then; with an interval, at most
+# one call per interval does the work for the whole cluster (the others return -1), so
+# reaping costs O(replicas) per interval, not per replica.
+REAP = (
+    PURGE
+    + LIVE
+    + """
+local ns, interval = ARGV[1], tonumber(ARGV[2])
+if interval > 0 and not redis.call('SET', ns .. ':reaping', '1', 'PX', interval, 'NX') then
+  return -1
+end
+local live = live_replicas(ns)
+local reaped = 0
+for rid, alive in pairs(live) do
+  if not alive then
+    purge(ns, rid)
+    redis.call('HDEL', ns .. ':replicas', rid)
+    reaped = reaped + 1
+  end
+end
+return reaped
+"""
+)

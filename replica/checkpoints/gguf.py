@@ -1,0 +1,152 @@
+"""A llama.cpp GGUF file: shape and tokenizer from its metadata, weights dequantized.
+
+Read with the ``gguf`` package (``GGUFReader``, ``gguf.quants.dequantize``); every weight is
+dequantized to float32 and renamed to Hugging Face ``LlamaForCausalLM`` names. llama.cpp's
+converter permutes the rows of the Q and K projections for its rotary layout (pairs of
+adjacent dimensions instead of two halves); ``unpermute_rotary`` undoes that, as
+transformers' own GGUF loader does.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from replica.checkpoints import Checkpoint, CheckpointError
+from replica.checkpoints.tokenizer import END_TOKENS, HFTokenizer, Tokenizer
+from replica.model.shape import ModelShape
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation: per head, rows ``(pair, 2)`` back to
+    ``(2, half)`` (the rotate-half layout that Hugging Face checkpoints use)."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return (
+        weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
+
+
+def hf_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
+    raise KeyError(gguf_name)
+
+
+class GGUFCheckpoint(Checkpoint):
+    def __init__(self, path: Path, name: str | None = None) -> None:
+        self.path = path
+        self.name = name or path.stem
+        self._reader = _open(path)
+        self._shape = _shape(self._reader, path)
+
+    @property
+    def shape(self) -> ModelShape:
+        return self._shape
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        from gguf.quants import dequantize
+
+        shape, tensors = self._shape, self._reader.tensors
+        start = time.monotonic()
+        _progress(f"loading {self.name}: {len(tensors)} tensors from {self.path}")
+        state: dict[str, torch.Tensor] = {}
+        for i, tensor in enumerate(tensors, 1):
+            try:
+                name = hf_name(tensor.name)
+                weight = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+            except Exception as exc:  # truncated data, an unknown type or tensor name
+                raise CheckpointError(f"{self.path}: tensor {tensor.name}: {exc}") from None
+            if name.endswith("q_proj.weight"):
+                weight = unpermute_rotary(weight, shape.num_heads)
+            elif name.endswith("k_proj.weight"):
+                weight = unpermute_rotary(weight, shape.num_kv_heads)
+            state[name] = torch.from_numpy(np.ascontiguousarray(weight))
+            if i % max(1, len(tensors) // 4) == 0:
+                _progress(f"loading {self.name}: {i}/{len(tensors)} tensors")
+        params = sum(t.numel() for t in state.values())
+        elapsed = time.monotonic() - start
+        _progress(f"loaded {self.name}: {params / 1e6:.1f}M parameters in {elapsed:.1f} s")
+        return state
+
+    def tokenizer(self) -> Tokenizer:
+        return _tokenizer(self.path)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(path: Path) -> HFTokenizer:
+    return HFTokenizer(str(path.parent), gguf_file=path.name)
+
+
+def _open(path: Path) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises whatever a corrupt header makes it hit
+        raise CheckpointError(
+            f"{path}: not a readable GGUF file, truncated or corrupt ({exc})"
+        ) from None
+
+
+def _shape(reader: Any, path: Path) -> ModelShape:
+    def field(key: str, default: Any = None) -> Any:
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch != "llama":
+        raise CheckpointError(f"{path}: a '{arch}' model, and only Llama models are served")
+    tokens = field("tokenizer.ggml.tokens") or []
+    eos = field("tokenizer.ggml.eos_token_id")
+    ends = {tokens.index(t) for t in END_TOKENS if t in tokens}
+    heads = field("llama.attention.head_count")
+    try:
+        return ModelShape(
+            vocab_size=field("llama.vocab_size", len(tokens)),
+            hidden_size=field("llama.embedding_length"),
+            num_layers=field("llama.block_count"),
+            num_heads=heads,
+            num_kv_heads=field("llama.attention.head_count_kv", heads),
+            intermediate_size=field("llama.feed_forward_length"),
+            rope_theta=field("llama.rope.freq_base", 10000.0),
+            rms_norm_eps=field("llama.attention.layer_norm_rms_epsilon", 1e-5),
+            max_position=field("llama.context_length", 4096),
+            tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
+            eos_token_ids=tuple(sorted({eos, *ends} - {None})),
+        )
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: incomplete Llama metadata ({exc})") from None
+
+
+def _progress(line: str) -> None:
+    """Weight loading takes seconds: say so where `serve run` and a terminal show it."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

@@ -1,0 +1,129 @@
+"""A Hugging Face Llama folder (``config.json``, ``*.safetensors``, ``tokenizer.json``), and
+the way back: any checkpoint written out as such a folder (for transformers and vLLM)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from replica.checkpoints import Checkpoint, CheckpointError
+from replica.checkpoints.tokenizer import END_TOKENS, HFTokenizer, Tokenizer
+from replica.model.shape import ModelShape
+
+
+class HFFolderCheckpoint(Checkpoint):
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.name = folder.name
+        self._shape = _shape(folder)
+
+    @property
+    def shape(self) -> ModelShape:
+        return self._shape
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.folder}: no *.safetensors weights")
+        state: dict[str, torch.Tensor] = {}
+        for file in files:
+            try:
+                state.update(load_file(str(file)))
+            except Exception as exc:  # a truncated or corrupt file
+                raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
+        return {k: v.float() for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+
+    def tokenizer(self) -> Tokenizer:
+        if not (self.folder / "tokenizer.json").is_file():
+            raise CheckpointError(f"{self.folder}: no tokenizer.json")
+        return HFTokenizer(str(self.folder))
+
+
+def _shape(folder: Path) -> ModelShape:
+    """Read ``config.json``. transformers 5 writes the rotary base under
+    ``rope_parameters.rope_theta``; older versions at the top level."""
+    try:
+        hf = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{folder}: no readable config.json ({exc})") from None
+    if hf.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in hf.get(
+        "architectures", []
+    ):
+        raise CheckpointError(f"{folder}: a '{hf.get('model_type')}' model, not a Llama model")
+    rope = hf.get("rope_parameters") or {}
+    eos = hf.get("eos_token_id")
+    try:
+        return ModelShape(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=hf["num_attention_heads"],
+            num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+            intermediate_size=hf["intermediate_size"],
+            rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
+            max_position=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            eos_token_ids=tuple(
+                sorted({*(eos if isinstance(eos, list) else [eos]), *_end_tokens(folder)} - {None})
+            ),
+        )
+    except (KeyError, ValueError) as exc:
+        raise CheckpointError(f"{folder}/config.json: not a Llama config ({exc})") from None
+
+
+def _end_tokens(folder: Path) -> tuple[int, ...]:
+    """Ids of the end-of-turn tokens ``tokenizer.json`` declares (the engine stops there)."""
+    try:
+        added = json.loads((folder / "tokenizer.json").read_text()).get("added_tokens", [])
+    except (OSError, ValueError):
+        return ()
+    return tuple(sorted(t["id"] for t in added if t.get("content") in END_TOKENS))
+
+
+def hf_config(shape: ModelShape) -> dict[str, Any]:
+    """``config.json`` of a Hugging Face ``LlamaForCausalLM`` with this shape."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": shape.vocab_size,
+        "hidden_size": shape.hidden_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "intermediate_size": shape.intermediate_size,
+        "hidden_act": "silu",
+        "rope_theta": shape.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta},
+        "rms_norm_eps": shape.rms_norm_eps,
+        "max_position_embeddings": shape.max_position,
+        "tie_word_embeddings": shape.tie_word_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "eos_token_id": list(shape.eos_token_ids),
+        "torch_dtype": "float32",
+    }
+
+
+def export_hf_folder(checkpoint: Checkpoint, folder: Path) -> Path:
+    """Write ``checkpoint`` as a Hugging Face Llama folder (float32 safetensors, config and,
+    for a real model, its tokenizer with the chat template), for peers to load."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    state = checkpoint.state_dict()
+    if state is None:
+        raise CheckpointError(f"{checkpoint.name}: random weights have no file to export")
+    if checkpoint.shape.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(hf_config(checkpoint.shape), indent=2))
+    tokenizer = checkpoint.tokenizer()
+    if isinstance(tokenizer, HFTokenizer):
+        tokenizer.save(str(folder))
+    return folder

@@ -1,0 +1,162 @@
+"""Gives sequences their blocks: the cached prefix first, new blocks for the rest."""
+
+from __future__ import annotations
+
+from kvindex.hashing import BlockHasher
+from replica.engine.block_allocator import BlockAllocator
+from replica.engine.prefix_cache import PrefixCache
+from replica.engine.sequence import Sequence
+
+
+class BlockManager:
+    """Block tables of sequences, on top of the allocator and (optionally) the prefix cache.
+
+    A sequence gets blocks for its whole prompt when it is admitted (so a prompt computed
+    over several steps never waits for memory mid-way), and one block at a time as decoding
+    fills them. A block is published when it is *scheduled* to become full, before the
+    forward pass that fills it, not when its request ends: requests admitted in the same
+    step then hit it, since every layer writes the step's keys and values before any
+    attention of that layer reads them. The caller must run every scheduled sequence in
+    that step's forward pass.
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, hasher: BlockHasher, enable_prefix_cache: bool
+    ) -> None:
+        if hasher.block_size != block_size:
+            raise ValueError("hasher and block manager disagree on block_size")
+        self.block_size = block_size
+        self.hasher = hasher
+        self.prefix_cache = PrefixCache(hasher) if enable_prefix_cache else None
+        self.allocator = BlockAllocator(num_blocks, block_size, self.prefix_cache)
+        self._copies: list[tuple[int, int]] = []  # (src, dst) for the next forward pass
+
+    def admit(self, seq: Sequence, token_budget: int, reserve_blocks: int = 0) -> int | None:
+        """Give a waiting sequence its blocks; return how many tokens it computes now.
+
+        Shares the longest verified cached prefix, capped so at least one token runs, and
+        allocates blocks for the rest of the prompt. The first ``token_budget`` uncached
+        tokens run now (the rest in later steps, ``schedule_chunk``). Returns None, changing
+        nothing, when the budget is 0 or the blocks would leave fewer than
+        ``reserve_blocks`` available (evicting cached ones if needed).
+        """
+        bs = self.block_size
+        n = seq.num_tokens
+        hits: list[int] = []
+        # prompt logprobs need every prompt position's logits: cached blocks hold none
+        if self.prefix_cache is not None and seq.params.prompt_logprobs is None:
+            hashes = self._hashes(seq, n)
+            hits = self.prefix_cache.lookup(seq.token_ids, seq.cache_salt, hashes)
+            hits = hits[: (n - 1) // bs]
+        num_new_blocks = self.allocator.blocks_needed(n) - len(hits)
+        reviving = sum(1 for b in hits if self.allocator.ref_counts[b] == 0)
+        needed = num_new_blocks + reviving
+        if token_budget <= 0 or needed + reserve_blocks > self.allocator.num_available:
+            return None
+        for block in hits:  # before allocating, so the allocation cannot evict a hit
+            self.allocator.share(block)
+        seq.block_table = hits + self.allocator.allocate(num_new_blocks)
+        seq.num_computed_tokens = len(hits) * bs
+        seq.num_published_blocks = len(hits)
+        if seq.num_cached_prompt_tokens is None:
+            seq.num_cached_prompt_tokens = len(hits) * bs
+        return self.schedule_chunk(seq, token_budget)
+
+    def cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Prompt tokens ``admit`` would take from the cache if it ran now (no change)."""
+        if self.prefix_cache is None:
+            return 0
+        hashes = self._hashes(seq, seq.num_tokens)
+        hits = self.prefix_cache.lookup(seq.token_ids, seq.cache_salt, hashes)
+        return min(len(hits), (seq.num_tokens - 1) // self.block_size) * self.block_size
+
+    def schedule_chunk(self, seq: Sequence, token_budget: int) -> int:
+        """Schedule the next prompt tokens of an admitted sequence, at most ``token_budget``,
+        and publish the blocks they fill; returns how many tokens run."""
+        n = min(seq.num_tokens - seq.num_computed_tokens, token_budget)
+        self._publish(seq, seq.num_computed_tokens + n)
+        return n
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Give ``child`` the computed context of ``parent`` (another choice of the same
+        request): it shares every full block and gets its own copy of the partial last one
+        (copy-on-write: both will write their next token there), copied before the next
+        forward pass. False, changing nothing, if no block is available for the copy."""
+        bs = self.block_size
+        full, partial = divmod(parent.num_computed_tokens, bs)
+        if partial and self.allocator.num_available < 1:
+            return False
+        shared = parent.block_table[:full]
+        for block in shared:
+            self.allocator.share(block)
+        child.block_table = list(shared)
+        if partial:
+            (copy,) = self.allocator.allocate(1)
+            self._copies.append((parent.block_table[full], copy))
+            child.block_table.append(copy)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_published_blocks = min(parent.num_published_blocks, full)
+        child.block_hashes = parent.block_hashes[:full]
+        return True
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The block copies the next forward pass must run first (and forget them)."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def needs_block(self, seq: Sequence) -> bool:
+        """Whether the next decode token (at ``num_computed_tokens``) needs a new block."""
+        return len(seq.block_table) * self.block_size <= seq.num_computed_tokens
+
+    def append_slot(self, seq: Sequence) -> bool:
+        """Make room for one decode token; False (nothing changed) if no block is available."""
+        if self.needs_block(seq):
+            if self.allocator.num_available < 1:
+                return False
+            seq.block_table += self.allocator.allocate(1)
+        self._publish(seq, seq.num_computed_tokens + 1)
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        """Return a sequence's blocks. The tail goes first, so it is evicted first."""
+        for block in reversed(seq.block_table):
+            self.allocator.free(block)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_published_blocks = 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix. Refused (False) while any block is in use."""
+        if self.prefix_cache is None or self.allocator.num_in_use:
+            return False
+        self.allocator.evict_all()
+        self.prefix_cache.mark_cleared()
+        return True
+
+    def _hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+        have = len(seq.block_hashes)
+        if num_tokens // self.block_size > have:
+            parent = seq.block_hashes[-1] if have else None
+            seq.block_hashes += self.hasher.chain(
+                seq.token_ids[:num_tokens], seq.cache_salt, parent=parent, start_block=have
+            )
+        return seq.block_hashes
+
+    def _publish(self, seq: Sequence, num_tokens: int) -> None:
+        """Publish the blocks that are full once the first ``num_tokens`` tokens are computed."""
+        if self.prefix_cache is None:
+            return
+        bs = self.block_size
+        full = num_tokens // bs
+        if full <= seq.num_published_blocks:
+            return
+        hashes = self._hashes(seq, num_tokens)
+        for i in range(seq.num_published_blocks, full):
+            self.prefix_cache.publish(
+                seq.block_table[i],
+                hashes[i],
+                seq.token_ids[i * bs : (i + 1) * bs],
+                seq.block_table[i - 1] if i else None,
+                seq.cache_salt,
+            )
+        seq.num_published_blocks = full

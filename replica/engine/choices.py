@@ -1,0 +1,45 @@
+"""``n`` > 1: a request's other choices, forked from its one prefill.
+
+When a request with ``n`` choices samples its first token, its prompt is computed once; each
+other choice ``i`` samples its first token from the same logits (with its own seed, ``seed +
+i``), then continues as a sequence of its own: it shares every full block of the prompt and
+gets a copy of the partial last one (copy-on-write: every choice writes its next token
+there). Where no block is free for that copy, the choice waits and recomputes its prompt,
+whose full blocks the prefix cache then serves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from replica.engine.scheduler import Scheduler
+from replica.engine.sequence import Sequence, SequenceStatus
+from replica.sampling.sampler import Sample, Sampler
+
+
+def fork_choices(
+    parent: Sequence, row: torch.Tensor, sampler: Sampler, scheduler: Scheduler
+) -> list[tuple[Sequence, Sample]]:
+    """Choices 1..n-1 of ``parent`` (running, or waiting without blocks), each with its
+    first token sampled from ``row``, the logits ``parent`` sampled its own from."""
+    forked = []
+    for index in range(1, parent.params.n):
+        child = Sequence(
+            f"{parent.request_id}#{index}",
+            parent.token_ids[: parent.num_prompt_tokens],
+            parent.params.for_choice(index),
+            parent.cache_salt,
+            parent.arrival_time,
+        )
+        child.index, child.first_token_time = index, parent.first_token_time
+        child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
+        child.num_computed_tokens = parent.num_prompt_tokens
+        sample = sampler.sample_one(row, child)
+        if scheduler.block_manager.fork(parent, child):
+            child.status = SequenceStatus.RUNNING
+            scheduler.running.append(child)
+        else:
+            child.num_computed_tokens = 0
+            scheduler.add(child)
+        forked.append((child, sample))
+    return forked

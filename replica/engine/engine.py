@@ -1,0 +1,282 @@
+"""The offline engine: ``add_request`` / ``step`` for streaming, ``generate`` for batches.
+
+No Ray here: the Serve replica (``replica.deployment``) drives this class from its loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import abc
+from collections.abc import Callable
+
+import torch
+
+from replica.config import EngineConfig, ModelShape
+from replica.engine.audit import check_block_accounting
+from replica.engine.block_manager import BlockManager
+from replica.engine.choices import fork_choices
+from replica.engine.limits import check_request
+from replica.engine.outputs import RequestOutput, Runner
+from replica.engine.prefix_cache import CacheEvents
+from replica.engine.scheduler import ScheduledBatch, Scheduler
+from replica.engine.sequence import Sequence, SequenceStatus
+from replica.engine.stats import EngineMetrics, EngineStats
+from replica.messages import InvalidRequestError
+from replica.model.runner import ModelRunner
+from replica.sampling.params import SamplingParams
+from replica.sampling.sampler import Sample, Sampler, record_prompt_logprobs
+
+__all__ = [
+    "CacheEvents",
+    "Engine",
+    "EngineConfig",
+    "InvalidRequestError",
+    "ModelShape",
+    "RequestOutput",
+    "SamplingParams",
+]
+
+
+class Engine:
+    """A paged engine with a verified local prefix cache and continuous batching.
+
+    ``runner`` and ``clock`` default to the real model and wall time; the simulator passes a
+    cost model and a virtual clock and so runs this very scheduler, cache and accounting.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        runner: Runner | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        self.hasher = config.block_hasher()
+        self.block_manager = BlockManager(
+            config.num_blocks, config.block_size, self.hasher, config.enable_prefix_cache
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.enable_chunked_prefill,
+            config.decode_reserve,
+        )
+        self.runner = runner if runner is not None else ModelRunner(config)
+        self.clock = clock
+        self._eos_token_ids = frozenset(config.shape.eos_token_ids)
+        self._queued_prefill_tokens = 0
+        self.sampler = Sampler(config.seed, config.shape.eos_token_ids)
+        self.metrics = EngineMetrics()
+        self._seqs: dict[str, Sequence] = {}
+        self._choices: dict[str, list[str]] = {}  # request -> its choices 1..n-1
+        self._listeners: list[Callable[[CacheEvents], None]] = []
+        self._ids = itertools.count()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: abc.Sequence[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        output_token_ids: abc.Sequence[int] = (),
+    ) -> None:
+        """Queue a request. Raises ``InvalidRequestError`` if it can never be served.
+
+        ``output_token_ids`` resumes a request that produced them elsewhere (its replica
+        died): they are computed like the prompt (and hit the prefix cache where they can),
+        but count as output, so generation, ``max_tokens`` and the sampler's positions go
+        on exactly where they stopped."""
+        params = params or SamplingParams()
+        tokens, outputs = list(prompt_token_ids), list(output_token_ids)
+        if request_id in self._seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        check_request(self.config, tokens, params, outputs)
+        seq = Sequence(
+            request_id,
+            tokens + outputs,
+            params,
+            cache_salt,
+            self.clock() if arrival_time is None else arrival_time,
+        )
+        seq.num_prompt_tokens = len(tokens)
+        seq.num_cached_at_arrival = self.block_manager.cached_prefix_tokens(seq)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        self._queued_prefill_tokens += seq.num_tokens - seq.num_cached_at_arrival
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a queued or running request (all its choices) and free its blocks. False if
+        unknown."""
+        for choice in self._choices.pop(request_id, []):
+            self.abort_request(choice)
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        self.metrics.num_aborted += 1
+        self._queued_prefill_tokens = self.scheduler.queued_prefill_tokens()
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._seqs)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return an output for every request that got a token."""
+        batch = self.scheduler.schedule()
+        self.metrics.preemptions += len(batch.preempted)
+        outputs = []
+        if batch:
+            outputs = self._finish_step(batch, self.runner.execute(batch))
+            self.metrics.steps += 1
+        self._queued_prefill_tokens = self.scheduler.queued_prefill_tokens()
+        self._emit_events()
+        return outputs
+
+    def generate(
+        self,
+        prompts: abc.Sequence[abc.Sequence[int]],
+        params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts that arrive together to completion; outputs in input order (choice 0
+        of a request with ``n`` > 1: ``generate_choices`` gives them all)."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("one SamplingParams per prompt, or a single one for all")
+        batch_id = next(self._ids)
+        ids = [f"generate-{batch_id}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            self.add_request(rid, prompt, p, cache_salt)
+        results: dict[str, RequestOutput] = {}
+        wanted = sum(p.n for p in params)
+        while len(results) < wanted:
+            results |= {out.request_id: out for out in self.step() if out.finished}
+        return [results[rid] for rid in ids]
+
+    def generate_choices(
+        self, prompt: abc.Sequence[int], params: SamplingParams
+    ) -> list[RequestOutput]:
+        """Run one prompt with ``params.n`` choices to completion; outputs by choice."""
+        rid = f"choices-{next(self._ids)}"
+        self.add_request(rid, prompt, params)
+        ids = [rid] + [f"{rid}#{i}" for i in range(1, params.n)]
+        results: dict[str, RequestOutput] = {}
+        while len(results) < len(ids):
+            results |= {out.request_id: out for out in self.step() if out.finished}
+        return [results[i] for i in ids]
+
+    # -- cache events and introspection -----------------------------------------------------
+
+    def subscribe(self, listener: Callable[[CacheEvents], None]) -> None:
+        """Call ``listener`` once per step that published or evicted block hashes."""
+        self._listeners.append(listener)
+
+    def cached_block_hashes(self) -> set[bytes]:
+        """Every block hash held now (for an index to resynchronise from)."""
+        cache = self.block_manager.prefix_cache
+        return cache.cached_hashes() if cache is not None else set()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix. Refused (False) while requests hold blocks."""
+        if not self.block_manager.reset_prefix_cache():
+            return False
+        self._emit_events()
+        return True
+
+    def stats(self, latencies: bool = True) -> EngineStats:
+        """Counters and block accounting; with ``latencies``, also TTFT and ITL percentiles
+        (sorting up to 100k samples: leave them out where a snapshot is taken often)."""
+        return EngineStats.collect(
+            self.metrics, self.scheduler, self._queued_prefill_tokens, latencies
+        )
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` unless the block accounting adds up (see
+        ``replica.engine.audit``). Tests call this after every step; replicas whenever idle."""
+        sched = self.scheduler
+        check_block_accounting(self.block_manager, sched.running, sched.waiting)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _finish_step(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[RequestOutput]:
+        """Account what the step computed and sample where a chunk reached the last token
+        (its row is the last of its logits rows; earlier ones are prompt logprobs)."""
+        rows = logits.split(batch.logit_rows)
+        sampled = [i for i, sample in enumerate(batch.samples) if sample]
+        last_rows = torch.stack([rows[i][-1] for i in sampled]) if sampled else logits[:0]
+        samples = self.sampler.sample(last_rows, [batch.seqs[i] for i in sampled])
+        for seq, n, own in zip(batch.seqs, batch.num_new_tokens, rows, strict=True):
+            self.metrics.computed_tokens += n
+            record_prompt_logprobs(seq, own, n)
+            seq.num_computed_tokens += n
+        now = self.clock()
+        outputs = []
+        for i, sample in zip(sampled, samples, strict=True):
+            seq = batch.seqs[i]
+            first_of_many = seq.params.n > 1 and seq.num_output_tokens == 0
+            outputs.append(self._advance(seq, sample, now))
+            if first_of_many:
+                outputs += self._fork_choices(seq, rows[i][-1], now)
+        return outputs
+
+    def _fork_choices(self, parent: Sequence, row: torch.Tensor, now: float) -> list[RequestOutput]:
+        """Choices 1..n-1 of ``parent``, from its one prefill (``replica.engine.choices``)."""
+        outputs = []
+        for child, sample in fork_choices(parent, row, self.sampler, self.scheduler):
+            self._seqs[child.request_id] = child
+            self._choices.setdefault(parent.request_id, []).append(child.request_id)
+            outputs.append(self._advance(child, sample, now))
+        return outputs
+
+    def _advance(self, seq: Sequence, sample: Sample, now: float) -> RequestOutput:
+        m = self.metrics
+        token = sample.token_id
+        m.generation_tokens += 1
+        if seq.first_token_time is None:  # first step of this request: its prompt is done
+            m.prompt_tokens += seq.num_prompt_tokens
+            m.cached_prompt_tokens += seq.num_cached_prompt_tokens or 0
+            seq.first_token_time = now
+            m.ttft_s.append(now - seq.arrival_time)
+        elif seq.last_token_time is not None:  # (a forked choice's first token has none)
+            m.itl_s.append(now - seq.last_token_time)
+        seq.last_token_time = now
+        seq.token_ids.append(token)
+        params = seq.params
+        if token in params.stop_token_ids or (
+            token in self._eos_token_ids and not params.ignore_eos
+        ):
+            seq.finish_reason = "stop"
+        elif seq.num_output_tokens >= params.max_tokens:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            seq.status = SequenceStatus.FINISHED
+            self.scheduler.remove(seq)
+            del self._seqs[seq.request_id]
+            m.num_finished += 1
+        prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token],
+            token_ids=seq.output_token_ids,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_prompt_tokens or 0,
+            index=seq.index,
+            logprobs=None if sample.logprob is None else [sample.logprob],
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _emit_events(self) -> None:
+        cache = self.block_manager.prefix_cache
+        events = cache.drain_events() if cache is not None else None
+        if events is not None:
+            for listener in self._listeners:
+                listener(events)

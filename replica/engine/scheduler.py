@@ -1,0 +1,203 @@
+"""Continuous batching with chunked prefill: who runs in the next step, how many tokens each,
+and who gives way when memory runs out.
+
+Like vLLM's v1 scheduler, every step has a token budget (``max_num_batched_tokens``) shared
+by decodes and prefill chunks, and it is never exceeded: running decodes are scheduled
+first (one token each), then the next chunks of prompts already being computed, then new
+requests, each taking what budget is left, so a long prompt spreads over several steps
+instead of stalling every running stream. Where we differ from vLLM, and why:
+
+* Admission reserves room for the running requests to grow, as SGLang does with its
+  new-token ratio: a waiting request is admitted only if its prompt's blocks leave
+  ``ratio x (tokens the running requests may still generate)`` available. vLLM admits until
+  memory runs out and preempts; on a CPU a recompute costs seconds, so we would rather
+  wait. The ratio starts at 0.5, decays by 0.002 per step to 0.1 while no one is preempted,
+  and returns to 1.0 (reserve every token) after a preemption.
+* A request gets blocks for its whole prompt at admission (vLLM allocates per chunk), so a
+  prompt being chunked never stalls mid-way for memory.
+* Preemption is the last resort, newest first, by recompute; a preempted request's full
+  blocks stay in the prefix cache, so it resumes from whatever of them survived.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from replica.engine.block_manager import BlockManager
+from replica.engine.sequence import Sequence, SequenceStatus
+
+_RATIO_START, _RATIO_MIN, _RATIO_DECAY = 0.5, 0.1, 0.002
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: each sequence with the number of tokens it computes this step, and
+    whether that reaches its last known token (then the step samples its next one)."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)  # last rows whose logits it needs
+    preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) first
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        sample = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
+        in_prompt = seq.num_computed_tokens < seq.num_prompt_tokens
+        wants_prompt = seq.params.prompt_logprobs is not None and in_prompt
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+        self.samples.append(sample)
+        # every row of a prompt whose logprobs are asked for; else the sampled row only
+        self.logit_rows.append(num_new_tokens if wants_prompt else int(sample))
+
+    @property
+    def num_decodes(self) -> int:
+        """Sequences computing one token (a decode; the model runs them as one batch)."""
+        return sum(1 for n in self.num_new_tokens if n == 1)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens of the sequences computing several (chunks of prompts)."""
+        return sum(n for n in self.num_new_tokens if n > 1)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    """Decodes first, then prompt chunks, within one token budget per step (module doc).
+
+    With ``chunked_prefill`` off, a prompt runs in one step (a lone prefill may exceed the
+    budget); with ``decode_reserve`` off, admission keeps no room for running requests to
+    grow (vLLM's way: preempt when memory runs out). Both off is the scheduler as it was
+    before chunking, kept for comparison.
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        chunked_prefill: bool = True,
+        decode_reserve: bool = True,
+    ) -> None:
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be at least max_num_seqs")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
+        self.decode_reserve = decode_reserve
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.reserve_ratio = _RATIO_START
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues (finished or aborted) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.release(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch(block_copies=self.block_manager.take_copies())
+        budget = self._schedule_running(batch, self.max_num_batched_tokens)
+        if batch.preempted:
+            self.reserve_ratio = 1.0
+            return batch
+        self.reserve_ratio = max(_RATIO_MIN, self.reserve_ratio - _RATIO_DECAY)
+        self._admit_waiting(batch, budget)
+        return batch
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute: the rest of prompts being chunked, and the
+        uncached part of waiting prompts (estimated when they arrived)."""
+        running = sum(
+            s.num_tokens - s.num_computed_tokens for s in self.running if not _decoding(s)
+        )
+        waiting = sum(s.num_tokens - s.num_cached_at_arrival for s in self.waiting)
+        return running + waiting
+
+    def reserve_blocks(self) -> int:
+        """Blocks kept free for the running requests' next tokens (``reserve_ratio`` of the
+        tokens they may still generate)."""
+        if not self.decode_reserve:
+            return 0
+        growth = sum(s.params.max_tokens - s.num_output_tokens for s in self.running)
+        return math.ceil(self.reserve_ratio * growth / self.block_manager.block_size)
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        """Decodes (oldest first), then the next chunk of each prompt being computed.
+
+        A decode that finds no block, even after the allocator evicted every cached prefix,
+        preempts the newest running request not yet scheduled (itself, if it is the
+        newest)."""
+        order = {id(s): i for i, s in enumerate(self.running)}
+        pending = sorted(self.running, key=lambda s: not _decoding(s))  # stable: oldest first
+        while pending:
+            seq = pending.pop(0)
+            if not _decoding(seq):
+                if budget > 0:
+                    n = self.block_manager.schedule_chunk(seq, budget)
+                    batch.add(seq, n)
+                    budget -= n
+                continue
+            while not self.block_manager.append_slot(seq):
+                victim = max([seq, *pending], key=lambda s: order[id(s)])
+                if victim is not seq:
+                    pending.remove(victim)
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.add(seq, 1)
+                budget -= 1
+        return budget
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        """FIFO admission while budget, sequence slots and the reserve allow."""
+        first = True
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            allowed = budget
+            if not self.chunked_prefill:  # whole prompts only; the step's first may overrun
+                remaining = seq.num_tokens - self.block_manager.cached_prefix_tokens(seq)
+                if remaining > budget and not first:
+                    break
+                allowed = max(budget, remaining)
+            num_new = self.block_manager.admit(seq, allowed, self.reserve_blocks())
+            if num_new is None:
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.add(seq, num_new)
+            budget -= num_new
+            first = False
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.release(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+
+def _decoding(seq: Sequence) -> bool:
+    """Whether a running sequence has one token left to compute (the last one sampled)."""
+    return seq.num_tokens - seq.num_computed_tokens == 1

@@ -1,0 +1,64 @@
+"""One request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from replica.sampling.params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Tokens, blocks and timing of one request.
+
+    ``token_ids`` is the prompt followed by the generated tokens. The KV of the first
+    ``num_computed_tokens`` tokens is in the blocks of ``block_table``; the first
+    ``num_published_blocks`` of those are in the prefix cache. ``block_hashes`` holds the hash
+    of every full block of ``token_ids`` computed so far (extended lazily).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    arrival_time: float
+    num_prompt_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_published_blocks: int = 0
+    num_cached_prompt_tokens: int | None = None  # served from the cache at first admission
+    num_cached_at_arrival: int = 0  # what the cache held of it on arrival (an estimate)
+    index: int = 0  # which choice of its request (n > 1)
+    prompt_logprobs: list[Any] | None = None  # collected chunk by chunk, when asked for
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,107 @@
+"""Engine counters. Hit rate is token-weighted (cached prompt tokens / prompt tokens)."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from replica.engine.scheduler import Scheduler
+
+_MAX_SAMPLES = 100_000
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100, linear interpolation); None for no values."""
+    data = sorted(values)
+    if not data:
+        return None
+    pos = (len(data) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+@dataclass
+class EngineMetrics:
+    """Cumulative counters plus the most recent latency samples."""
+
+    num_finished: int = 0
+    num_aborted: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    computed_tokens: int = 0  # tokens run through the model (prefill suffixes and decodes)
+    generation_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    ttft_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_SAMPLES))
+    itl_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_SAMPLES))
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of one engine: counters, block accounting and latency percentiles."""
+
+    num_running: int
+    num_waiting: int
+    queued_prefill_tokens: int  # prompt tokens still to compute (running chunks + waiting)
+    num_finished: int
+    num_aborted: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    hit_rate: float
+    computed_tokens: int
+    generation_tokens: int
+    preemptions: int
+    evictions: int
+    hash_mismatches: int
+    steps: int
+    blocks_total: int
+    blocks_free: int
+    blocks_cached: int
+    blocks_in_use: int
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    itl_p50_s: float | None
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        return asdict(self)
+
+    @classmethod
+    def collect(
+        cls, m: EngineMetrics, scheduler: Scheduler, queued_prefill_tokens: int, latencies: bool
+    ) -> EngineStats:
+        """A snapshot of an engine's counters, queues and blocks; latency percentiles only
+        with ``latencies`` (sorting up to 100k samples: leave them out where this runs
+        often, e.g. every heartbeat)."""
+        manager = scheduler.block_manager
+        alloc, cache = manager.allocator, manager.prefix_cache
+        return cls(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            queued_prefill_tokens=queued_prefill_tokens,
+            num_finished=m.num_finished,
+            num_aborted=m.num_aborted,
+            prompt_tokens=m.prompt_tokens,
+            cached_prompt_tokens=m.cached_prompt_tokens,
+            hit_rate=m.hit_rate,
+            computed_tokens=m.computed_tokens,
+            generation_tokens=m.generation_tokens,
+            preemptions=m.preemptions,
+            evictions=cache.num_evictions if cache else 0,
+            hash_mismatches=cache.num_hash_mismatches if cache else 0,
+            steps=m.steps,
+            blocks_total=alloc.num_blocks,
+            blocks_free=alloc.num_free,
+            blocks_cached=alloc.num_cached,
+            blocks_in_use=alloc.num_in_use,
+            ttft_p50_s=percentile(m.ttft_s, 50) if latencies else None,
+            ttft_p99_s=percentile(m.ttft_s, 99) if latencies else None,
+            itl_p50_s=percentile(m.itl_s, 50) if latencies else None,
+        )

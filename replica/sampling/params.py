@@ -1,0 +1,47 @@
+"""Per-request sampling parameters (no torch: the ingress builds these)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_LOGPROBS = 20  # alternatives per position, as OpenAI allows
+MAX_N = 16
+
+
+class SamplingParams(BaseModel):
+    """How to pick each next token and when to stop.
+
+    ``temperature == 0`` (or below 1e-5) is greedy. A request stops at ``max_tokens``
+    generated tokens, or at EOS or one of ``stop_token_ids`` (EOS not before ``min_tokens``,
+    nor at all with ``ignore_eos``; stop ids always apply after ``min_tokens``). ``seed``
+    makes a sampled request reproducible on its own, whatever else is in the batch; with
+    ``n`` > 1, choice ``i`` samples as a request with seed ``seed + i`` would, and all
+    choices share one prefill of the prompt. ``logit_bias``, the penalties and
+    ``min_tokens`` act on the logits as ``replica.sampling.logits_processing`` says; ``logprobs``
+    (0-20 alternatives) reports the raw log-probability of each sampled token, and
+    ``prompt_logprobs`` those of the prompt's tokens (the prompt is then computed whole,
+    never served from the prefix cache, whose blocks hold no logits).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_tokens: int = Field(16, gt=0)
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = Field(1, ge=1, le=MAX_N)
+    min_tokens: int = Field(0, ge=0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice ``index`` of an ``n`` > 1 request, as a request of its
+        own: one choice, seed ``seed + index``, no prompt logprobs (reported once)."""
+        seed = None if self.seed is None else self.seed + index
+        return self.model_copy(update={"n": 1, "seed": seed, "prompt_logprobs": None})
