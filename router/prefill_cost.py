@@ -33,7 +33,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from router.policies import ReplicaState, RoutingPolicy, RoutingRequest, rendezvous_order
+from kvindex.records import ReplicaState, RoutingRequest
+from router.policies import RoutingPolicy, cache_credit, rendezvous_order
 
 
 @dataclass(frozen=True)
@@ -60,15 +61,10 @@ class PrefillCost(RoutingPolicy):
         return {
             r.replica_id: r.booked_prefill_tokens
             + request.num_prompt_tokens
-            - self.credit(request, r)
+            - cache_credit(request, r)
             + k.decode_cost_tokens * r.in_flight
             for r in replicas
         }
-
-    @staticmethod
-    def credit(request: RoutingRequest, replica: ReplicaState) -> int:
-        """Prompt tokens the replica will not have to compute (capped: one always runs)."""
-        return min(replica.held_blocks * request.block_size, request.usable_tokens)
 
     def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> list[str]:
         if not replicas:
@@ -79,7 +75,7 @@ class PrefillCost(RoutingPolicy):
         by_cost = sorted(costs, key=lambda rid: (costs[rid], position[rid]))
         cheapest = costs[by_cost[0]]
         holder = max(replicas, key=lambda r: (r.held_blocks, -costs[r.replica_id]))
-        if self.credit(request, holder) >= max(
+        if cache_credit(request, holder) >= max(
             request.block_size, self.knobs.min_hit_fraction * request.usable_tokens
         ):
             sticky = costs[holder.replica_id] <= cheapest + self.knobs.sticky_budget_tokens
@@ -108,7 +104,7 @@ class PrefillCost(RoutingPolicy):
         others sat idle (measured: 12 new system prompts on 2 idle replicas, all on one).
         """
         slack = self.knobs.new_prefix_slack * request.num_prompt_tokens
-        load = {r.replica_id: costs[r.replica_id] + self.credit(request, r) for r in replicas}
+        load = {r.replica_id: costs[r.replica_id] + cache_credit(request, r) for r in replicas}
         cheapest = min(load.values())
         near = [r for r in replicas if load[r.replica_id] <= cheapest + slack]
         best = min(near, key=lambda r: (r.footprint_blocks, position[r.replica_id]))

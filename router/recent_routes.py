@@ -16,6 +16,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from kvindex.records import leading_runs
+
 
 class RecentRoutes:
     """Block hash -> replicas this router sent it to, each until ``horizon_s`` after that;
@@ -46,16 +48,13 @@ class RecentRoutes:
         """For each replica, how many leading blocks of the chain were routed to it (and
         have not expired): the same leading-run rule as the index's answer."""
         now = time.monotonic() if now is None else now
-        run: dict[str, int] = {}
-        alive: set[str] | None = None
-        for i, block in enumerate(block_hashes):
-            holders = {rid for rid, until in self._by_block.get(block, {}).items() if until > now}
-            alive = holders if alive is None else alive & holders
-            if not alive:
-                break
-            for rid in alive:
-                run[rid] = i + 1
-        return run
+
+        def holders(block: bytes) -> set[str]:
+            return {rid for rid, until in self._by_block.get(block, {}).items() if until > now}
+
+        first = holders(block_hashes[0]) if block_hashes else set()
+        runs = leading_runs(block_hashes, first, holders)
+        return {rid: n for rid, n in runs.items() if n}
 
     def forget(self, replica_id: str) -> None:
         """A replica died: nothing it held is there any more."""

@@ -1,20 +1,14 @@
-"""What this process's request routers saw, for ``/metrics`` and ``/cluster/stats``.
-
-Kept apart from ``router.serve_router`` on purpose: Serve pickles the router's module by
-value, so state that must be shared with the ingress (and anything holding a lock) lives here
-and is reached as ``routing_stats.STATE``, never imported into the router's namespace.
-"""
+"""What a request router saw, for ``/metrics`` and ``/cluster/stats``: its Prometheus metrics
+(one registry per process) and ``RouterStats``, the counters each router keeps."""
 
 from __future__ import annotations
 
-import weakref
 from collections import OrderedDict, deque
-from dataclasses import asdict
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
-
-from replica.engine.stats import percentile
 
 ROUTED = Counter(
     "prefix_serve_routed_requests", "Requests sent to each engine replica", ["replica", "policy"]
@@ -40,38 +34,18 @@ REPLICA_GAUGES = {
     key: Gauge(f"prefix_serve_replica_{key}", f"Engine replica {key} (routing stats)", ["replica"])
     for key in _REPLICA_KEYS
 }
+_MAX_REASONS = 1024  # recent decisions whose reason the ingress may still ask for
 
 
-class RouterState:
-    """Requests routed, recent decision times and reasons, and the live replicas' routing
-    stats (read from the router when asked, as Serve pushes them every stats period). The
-    ingress reaches the router through it (``prefill_done``, ``reason``)."""
+class RouterStats:
+    """Requests routed per replica, recent decision times, and why recent requests went
+    where they did (the policy's explanation, for the ``x-routing`` header)."""
 
-    def __init__(self) -> None:
-        self.policy = ""
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
         self.routed: dict[str, int] = {}
         self.decision_s: deque[float] = deque(maxlen=10_000)
-        self._reasons: OrderedDict[str, str] = OrderedDict()  # request -> why it went there
-        self._router: weakref.ref[Any] | None = None
-
-    def attach(self, router: Any) -> None:
-        """The request router whose live replicas to report (held weakly)."""
-        self._router = weakref.ref(router)
-
-    def replica_stats(self) -> dict[str, dict[str, Any]]:
-        """Latest routing stats per live replica; also sets the per-replica gauges."""
-        router = self._router() if self._router is not None else None
-        if router is None:
-            return {}
-        stats = {
-            r.replica_id.unique_id: dict(r.routing_stats or {})
-            for r in router.curr_replicas.values()
-        }
-        for rid, values in stats.items():
-            for key, gauge in REPLICA_GAUGES.items():
-                if key in values:
-                    gauge.labels(rid).set(values[key])
-        return stats
+        self._reasons: OrderedDict[str, str] = OrderedDict()
 
     def record_decision(self, request_id: str, seconds: float, reason: str) -> None:
         self.decision_s.append(seconds)
@@ -80,37 +54,29 @@ class RouterState:
         while len(self._reasons) > _MAX_REASONS:
             self._reasons.popitem(last=False)
 
-    def reason(self, request_id: str) -> str | None:
-        """Why the router sent a recent request where it did (its policy's explanation)."""
-        return self._reasons.get(request_id)
-
-    def prefill_done(self, request_id: str) -> None:
-        """The ingress saw a request's first token: the router releases its prefill load.
-
-        Serve runs the router on an event loop of its own thread: the call is handed to
-        that loop (its bookings and its Redis client belong to it), never made here."""
-        router = self._router() if self._router is not None else None
-        loop = getattr(router, "_event_loop", None)
-        if router is not None and loop is not None and hasattr(router, "prefill_done"):
-            loop.call_soon_threadsafe(router.prefill_done, request_id)
-
     def record_routed(self, replica_id: str) -> None:
         self.routed[replica_id] = self.routed.get(replica_id, 0) + 1
         ROUTED.labels(replica_id, self.policy).inc()
 
-    def snapshot(self) -> dict[str, Any]:
-        router = self._router() if self._router is not None else None
-        index = getattr(router, "index", None)
+    def reason(self, request_id: str) -> str | None:
+        return self._reasons.get(request_id)
+
+    def snapshot(self, replica_stats: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+        """These counters, with the replicas' latest routing stats (which also set the
+        per-replica gauges)."""
+        for rid, values in replica_stats.items():
+            for key, gauge in REPLICA_GAUGES.items():
+                if key in values:
+                    gauge.labels(rid).set(values[key])
         return {
             "policy": self.policy,
             "routed": dict(self.routed),
-            "index": asdict(index.counters) if index is not None else None,
-            "bookings_in_flight": len(router.bookings) if hasattr(router, "bookings") else None,
-            "replicas": self.replica_stats(),
-            "decision_p50_s": percentile(self.decision_s, 50),
-            "decision_p99_s": percentile(self.decision_s, 99),
+            "replicas": {rid: dict(values) for rid, values in replica_stats.items()},
+            "decision_p50_s": _percentile(self.decision_s, 50),
+            "decision_p99_s": _percentile(self.decision_s, 99),
         }
 
 
-_MAX_REASONS = 1024
-STATE = RouterState()
+def _percentile(values: Iterable[float], q: float) -> float | None:
+    data = list(values)
+    return float(np.percentile(data, q)) if data else None

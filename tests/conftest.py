@@ -1,12 +1,16 @@
-"""Shared fixtures: a real redis-server process per test module (started on a free port)."""
+"""Shared fixtures: a real redis-server process per test module (started on a free port), and
+the engine config most tests run (the tiny random model in float32)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from bench.harness.redis_server import LocalRedis
+from replica.checkpoints import TINY_MODEL
+from replica.config import EngineConfig
 
 
 def keep_logs(request: pytest.FixtureRequest, failed_before: int) -> bool:
@@ -29,3 +33,11 @@ def fresh_redis(redis_server: LocalRedis) -> LocalRedis:
 
     redis.Redis.from_url(redis_server.url).flushall()
     return redis_server
+
+
+def tiny(**fields: Any) -> EngineConfig:
+    """The tiny random model in float32 with a 512-token step budget (what the engine
+    defaulted to before the defaults became the cluster's), overridden by ``fields``."""
+    return EngineConfig(
+        **{"model": TINY_MODEL, "dtype": "float32", "max_num_batched_tokens": 512, **fields}
+    )

@@ -1,9 +1,9 @@
 """The code's shape, checked: packages depend one way only, and nothing grows unreadable.
 
-Layers, lowest first: ``replica`` (one engine replica: engine, block hash, index client) <
-``router`` (policies and the Ray Serve request router) < ``cluster`` (the serving application)
-< ``bench`` (measurement tools). A module may import its own layer or a lower
-one, never a higher one; the measurement tools may use the application, never the reverse.
+``kvindex`` (the block hash and the index contract) is at the bottom; ``replica`` (one engine
+replica) and ``router`` (routing) each stand on it and never on each other; ``cluster`` (the
+serving application) wires both; ``bench`` (measurement, not in the wheel) may use any of
+them, and nothing uses it. Rooms stay small: no folder holds more than 12 modules.
 """
 
 from __future__ import annotations
@@ -15,22 +15,28 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-LAYERS = ["replica", "router", "cluster", "bench"]
+# package -> the packages it may import (besides itself)
+ALLOWED = {
+    "kvindex": set(),
+    "replica": {"kvindex"},
+    "router": {"kvindex"},
+    "cluster": {"kvindex", "replica", "router"},
+    "bench": {"kvindex", "replica", "router", "cluster"},
+}
+PRODUCT = ("kvindex", "replica", "router", "cluster")
 MAX_FUNCTION_LINES = 60
 MAX_FILE_LINES = 300
+MAX_MODULES_PER_FOLDER = 12
 LONG_FILE_MARK = "Longer than 300 lines because"
 
 
-def layer_of(module: str) -> int | None:
-    """The layer a dotted module name belongs to (the most specific match), or None."""
-    matches = [
-        i for i, name in enumerate(LAYERS) if module == name or module.startswith(name + ".")
-    ]
-    return max(matches) if matches else None
+def package_of(module: str) -> str | None:
+    top = module.split(".")[0]
+    return top if top in ALLOWED else None
 
 
-def source_files() -> Iterator[tuple[str, Path]]:
-    for package in ("replica", "router", "cluster"):
+def source_files(packages: tuple[str, ...] = tuple(ALLOWED)) -> Iterator[tuple[str, Path]]:
+    for package in packages:
         for path in sorted((REPO / package).rglob("*.py")):
             module = ".".join(path.relative_to(REPO).with_suffix("").parts)
             yield module.removesuffix(".__init__"), path
@@ -47,33 +53,59 @@ def imported_modules(tree: ast.AST, module: str) -> Iterator[str]:
                 yield ".".join([*base, node.module] if node.module else base)
             elif node.module:
                 yield node.module
-                yield from (f"{node.module}.{alias.name}" for alias in node.names)
 
 
-def test_layer_of_picks_the_most_specific_layer() -> None:
-    assert layer_of("replica.engine") == 0
-    assert layer_of("router.policies") == 1
-    assert layer_of("cluster.ingress") == 2
-    assert layer_of("bench.workloads") == 3
-    assert layer_of("ray.serve") is None
+def violations(tree: ast.AST, module: str) -> list[str]:
+    own = package_of(module)
+    assert own is not None
+    return [
+        target
+        for target in imported_modules(tree, module)
+        if (package := package_of(target)) is not None
+        and package != own
+        and package not in ALLOWED[own]
+    ]
 
 
-def test_no_package_imports_a_package_above_it() -> None:
-    upward = []
+def test_no_package_imports_one_it_may_not() -> None:
+    found = []
     for module, path in source_files():
-        own = layer_of(module)
-        assert own is not None
-        for target in imported_modules(ast.parse(path.read_text()), module):
-            layer = layer_of(target)
-            if layer is not None and layer > own:
-                upward.append(f"{path.relative_to(REPO)} imports {target}")
-    assert upward == []
+        found += [
+            f"{path.relative_to(REPO)} imports {t}"
+            for t in violations(ast.parse(path.read_text()), module)
+        ]
+    assert found == []
 
 
-def test_the_check_catches_an_upward_import() -> None:
-    tree = ast.parse("from cluster.config import ClusterArgs\nimport router.policies")
-    targets = list(imported_modules(tree, "replica.deployment"))
-    assert [t for t in targets if (layer_of(t) or 0) > layer_of("replica.deployment")]
+@pytest.mark.parametrize(
+    ("module", "source"),
+    [
+        ("router.serve_router", "from replica.messages import EngineRequest"),
+        ("replica.deployment", "import router.policies"),
+        ("kvindex.reader", "from replica.engine import Engine"),
+        ("cluster.app", "from bench.harness.launcher import ServeCluster"),
+        ("replica.engine.engine", "from cluster.config import ClusterArgs"),
+    ],
+)
+def test_the_check_catches_a_forbidden_import(module: str, source: str) -> None:
+    assert violations(ast.parse(source), module)
+
+
+def test_the_wheel_holds_only_what_serves() -> None:
+    text = (REPO / "pyproject.toml").read_text()
+    include = text.split("[tool.setuptools.packages.find]")[1].split("\n\n")[0]
+    assert all(f'"{p}*"' in include for p in PRODUCT) and "bench" not in include
+
+
+def test_no_folder_is_a_room_of_30_files() -> None:
+    crowded = {
+        str(folder.relative_to(REPO)): n
+        for package in ALLOWED
+        for folder in [REPO / package, *(p for p in (REPO / package).rglob("*") if p.is_dir())]
+        if (n := len([p for p in folder.glob("*.py") if p.name != "__init__.py"]))
+        > MAX_MODULES_PER_FOLDER
+    }
+    assert crowded == {}
 
 
 @pytest.mark.parametrize(("module", "path"), list(source_files()), ids=lambda v: str(v))

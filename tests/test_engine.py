@@ -8,13 +8,14 @@ import random
 
 import pytest
 import torch
+from conftest import tiny
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 import kvindex.hashing
 from replica.checkpoints.hf import hf_config
-from replica.engine import Engine, EngineConfig, InvalidRequestError, SamplingParams
+from replica.engine import Engine, InvalidRequestError, SamplingParams
 from replica.engine.outputs import Runner
 from replica.engine.scheduler import ScheduledBatch
 from replica.model.cpu import DTYPES
@@ -33,7 +34,7 @@ def shared_prefix_prompts(n: int, seed: int = 0, block_size: int = 16) -> list[l
 
 
 def test_requests_arriving_together_compute_a_shared_prompt_once() -> None:
-    engine = Engine(EngineConfig(block_size=16))
+    engine = Engine(tiny(block_size=16))
     system = [256] + list(range(63))  # 4 full blocks
     tails = [[100 + i] * (i + 1) for i in range(8)]
     outs = engine.generate([system + t for t in tails], SamplingParams(max_tokens=1))
@@ -48,8 +49,8 @@ def test_requests_arriving_together_compute_a_shared_prompt_once() -> None:
 @pytest.mark.parametrize("max_num_seqs", [4, 32])
 def test_greedy_output_is_identical_with_the_cache_on_and_off(max_num_seqs: int) -> None:
     prompts = shared_prefix_prompts(18)
-    on = Engine(EngineConfig(max_num_seqs=max_num_seqs))
-    off = Engine(EngineConfig(max_num_seqs=max_num_seqs, enable_prefix_cache=False))
+    on = Engine(tiny(max_num_seqs=max_num_seqs))
+    off = Engine(tiny(max_num_seqs=max_num_seqs, enable_prefix_cache=False))
     outs_on, outs_off = on.generate(prompts, GREEDY), off.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs_on] == [o.token_ids for o in outs_off]
     assert on.stats().cached_prompt_tokens > 0
@@ -61,8 +62,8 @@ def test_greedy_output_is_identical_with_the_cache_on_and_off(max_num_seqs: int)
 def test_equivalence_holds_under_memory_pressure_with_preemption() -> None:
     prompts = shared_prefix_prompts(12, seed=3)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    tight = Engine(EngineConfig(num_blocks=24, max_num_seqs=12))
-    reference = Engine(EngineConfig(enable_prefix_cache=False))
+    tight = Engine(tiny(num_blocks=24, max_num_seqs=12))
+    reference = Engine(tiny(enable_prefix_cache=False))
     outs = tight.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in reference.generate(prompts, params)]
     stats = tight.stats()
@@ -75,8 +76,8 @@ def test_equivalence_holds_under_memory_pressure_with_preemption() -> None:
 @pytest.mark.parametrize("budget", [16, 37])
 def test_chunked_prefill_changes_no_output(budget: int) -> None:
     prompts = [*shared_prefix_prompts(10, seed=8), [256, *range(200)]]
-    whole = Engine(EngineConfig(enable_chunked_prefill=False)).generate(prompts, GREEDY)
-    engine = Engine(EngineConfig(max_num_batched_tokens=budget, max_num_seqs=8))
+    whole = Engine(tiny(enable_chunked_prefill=False)).generate(prompts, GREEDY)
+    engine = Engine(tiny(max_num_batched_tokens=budget, max_num_seqs=8))
     chunked = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in chunked] == [o.token_ids for o in whole]
     # the 201-token prompt alone needs ceil(201 / budget) chunk steps, then 23 decodes
@@ -85,7 +86,7 @@ def test_chunked_prefill_changes_no_output(budget: int) -> None:
 
 
 def test_a_fully_cached_prompt_still_runs_and_gives_the_same_output() -> None:
-    engine = Engine(EngineConfig(block_size=16))
+    engine = Engine(tiny(block_size=16))
     prompt = [256] + list(range(47))  # exactly 3 blocks
     first = engine.generate([prompt], GREEDY)[0]
     computed = engine.stats().computed_tokens
@@ -99,9 +100,9 @@ def test_a_forced_hash_collision_does_not_change_any_output(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     prompts = shared_prefix_prompts(9, seed=5)
-    expected = Engine(EngineConfig(enable_prefix_cache=False)).generate(prompts, GREEDY)
+    expected = Engine(tiny(enable_prefix_cache=False)).generate(prompts, GREEDY)
     monkeypatch.setattr(kvindex.hashing, "_digest", lambda data, key: b"\x01" * 16)
-    engine = Engine(EngineConfig())
+    engine = Engine(tiny())
     outs = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
     assert engine.stats().hash_mismatches > 0
@@ -111,14 +112,14 @@ def test_a_forced_hash_collision_does_not_change_any_output(
 def test_a_trace_without_shared_text_gets_no_hits() -> None:
     rng = random.Random(11)
     prompts = [[256] + [rng.randrange(256) for _ in range(80)] for _ in range(10)]
-    engine = Engine(EngineConfig())
+    engine = Engine(tiny())
     engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     assert engine.stats().cached_prompt_tokens == 0
     assert engine.stats().hit_rate == 0.0
 
 
 def test_stop_conditions() -> None:
-    engine = Engine(EngineConfig())
+    engine = Engine(tiny())
     prompt = [256, *b"stop here"]
     free_run = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
     assert free_run.finish_reason == "length" and len(free_run.token_ids) == 12
@@ -127,7 +128,7 @@ def test_stop_conditions() -> None:
     assert cut.finish_reason == "stop"
     assert cut.token_ids == free_run.token_ids[: free_run.token_ids.index(stop_at) + 1]
 
-    eos_engine = Engine(EngineConfig(model={"eos_token_ids": [stop_at]}))
+    eos_engine = Engine(tiny(model={"eos_token_ids": [stop_at]}))
     at_eos = eos_engine.generate([prompt], SamplingParams(max_tokens=12))[0]
     assert at_eos.finish_reason == "stop" and at_eos.token_ids[-1] == stop_at
     ignored = eos_engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
@@ -137,16 +138,16 @@ def test_stop_conditions() -> None:
 def test_seeded_sampling_does_not_depend_on_the_batch() -> None:
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=1234)
     prompt = [256, *b"sample me"]
-    alone = Engine(EngineConfig()).generate([prompt], params)[0]
+    alone = Engine(tiny()).generate([prompt], params)[0]
     crowd = shared_prefix_prompts(5) + [prompt]
-    together = Engine(EngineConfig()).generate(crowd, [GREEDY] * 5 + [params])[-1]
+    together = Engine(tiny()).generate(crowd, [GREEDY] * 5 + [params])[-1]
     assert alone.token_ids == together.token_ids
-    greedy = Engine(EngineConfig()).generate([prompt], SamplingParams(max_tokens=16))[0]
+    greedy = Engine(tiny()).generate([prompt], SamplingParams(max_tokens=16))[0]
     assert alone.token_ids != greedy.token_ids
 
 
 def test_streaming_step_outputs_and_abort_free_blocks() -> None:
-    engine = Engine(EngineConfig(num_blocks=64))
+    engine = Engine(tiny(num_blocks=64))
     engine.add_request("keep", [256, *b"hello"], SamplingParams(max_tokens=5, ignore_eos=True))
     engine.add_request("drop", [256] + [7] * 40, SamplingParams(max_tokens=50, ignore_eos=True))
     streamed: list[int] = []
@@ -166,7 +167,7 @@ def test_streaming_step_outputs_and_abort_free_blocks() -> None:
 
 
 def test_invalid_requests_get_clear_errors_and_change_nothing() -> None:
-    engine = Engine(EngineConfig(num_blocks=8, block_size=16, max_model_len=512))
+    engine = Engine(tiny(num_blocks=8, block_size=16, max_model_len=512))
     cases = [
         ([], SamplingParams(), "empty"),
         ([1, 2, 999], SamplingParams(), r"\[0, 258\)"),
@@ -187,7 +188,7 @@ def test_invalid_requests_get_clear_errors_and_change_nothing() -> None:
 
 
 def test_events_let_an_observer_track_the_cached_set_exactly() -> None:
-    engine = Engine(EngineConfig(num_blocks=40))
+    engine = Engine(tiny(num_blocks=40))
     view: set[bytes] = set()
 
     def apply(events):  # what the index does with them
@@ -208,20 +209,20 @@ def test_events_let_an_observer_track_the_cached_set_exactly() -> None:
 def test_the_default_model_has_the_documented_size_and_seeded_weights() -> None:
     """README: 5,772,544 parameters with seeded random weights: the same seed gives the same
     weights (and outputs) in any engine, another seed other weights."""
-    a, b, c = (Engine(EngineConfig(seed=seed)) for seed in (0, 0, 1))
+    a, b, c = (Engine(tiny(seed=seed)) for seed in (0, 0, 1))
     assert a.runner.num_parameters == 5_772_544
     weights = [r.runner.model.model.embed_tokens.weight for r in (a, b, c)]
     assert torch.equal(weights[0], weights[1]) and not torch.equal(weights[0], weights[2])
 
 
 def test_weights_load_from_a_hugging_face_folder(tmp_path) -> None:
-    source = Engine(EngineConfig(seed=42))
+    source = Engine(tiny(seed=42))
     model = LlamaForCausalLM(source.config.shape)  # the engine's own are packed for oneDNN
     model.init_random(42)
     weights = model.hf_state_dict()
     save_file(weights, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(hf_config(model.config)))
-    loaded = Engine(EngineConfig(seed=0, model=str(tmp_path)))
+    loaded = Engine(tiny(seed=0, model=str(tmp_path)))
     assert loaded.config.model_id == tmp_path.name
     prompts = shared_prefix_prompts(3)
     assert [o.token_ids for o in loaded.generate(prompts, GREEDY)] == [
@@ -244,7 +245,7 @@ def test_weights_load_from_a_hugging_face_folder(tmp_path) -> None:
 )
 def test_block_accounting_adds_up_after_every_step(ops) -> None:
     engine = Engine(
-        EngineConfig(
+        tiny(
             model={"num_layers": 1, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 1},
             block_size=4,
             num_blocks=14,
@@ -276,11 +277,11 @@ def test_block_accounting_adds_up_after_every_step(ops) -> None:
 
 
 def test_extreme_sampling_parameters_never_break_a_step() -> None:
-    engine = Engine(EngineConfig())
+    engine = Engine(tiny())
     prompt = [256, *b"edge"]
     greedy = engine.generate([prompt], SamplingParams(max_tokens=6))[0].token_ids
-    tiny = SamplingParams(max_tokens=6, temperature=1e-30, seed=-(2**70))
-    assert engine.generate([prompt], tiny)[0].token_ids == greedy
+    cold = SamplingParams(max_tokens=6, temperature=1e-30, seed=-(2**70))
+    assert engine.generate([prompt], cold)[0].token_ids == greedy
     wild = SamplingParams(max_tokens=6, temperature=2.0, top_p=1e-300, seed=2**90)
     assert engine.generate([prompt], wild)[0].token_ids == greedy  # top_p keeps the top token
     engine.check_invariants()
@@ -313,9 +314,7 @@ Run = tuple[list[list[int]], list[list[torch.Tensor]]]  # tokens, and logits row
 def dtype_run(dtype: str, cache: bool) -> Run:
     """Greedy tokens and the logits behind them, for ``DTYPE_PROMPTS`` in one dtype."""
     deterministic = dtype != "float64"  # float64's matrix products are not row-invariant
-    engine = Engine(
-        EngineConfig(dtype=dtype, enable_prefix_cache=cache, deterministic=deterministic)
-    )
+    engine = Engine(tiny(dtype=dtype, enable_prefix_cache=cache, deterministic=deterministic))
     # the dtype is really used: weights and the paged KV cache are held in it
     assert {p.dtype for p in engine.runner.model.parameters()} == {DTYPES[dtype]}
     assert engine.runner.kv_cache.dtype == DTYPES[dtype]

@@ -17,7 +17,8 @@ from cluster.api import metrics as api_metrics
 from cluster.api.errors import APIError, install_handlers
 from cluster.engine_stream import EngineStream
 from kvindex.hashing import BlockHasher
-from replica.messages import EngineChunk, EngineRequest
+from kvindex.records import RoutingRequest
+from replica.messages import EngineRequest, RequestOutput
 from replica.sampling.params import SamplingParams
 
 HASHER = BlockHasher(4, "test-model")
@@ -36,16 +37,16 @@ class ScriptedCall:
     def __aiter__(self) -> ScriptedCall:
         return self
 
-    async def __anext__(self) -> EngineChunk:
+    async def __anext__(self) -> RequestOutput:
         step = next(self._script, None)
         if step is None:
             raise StopAsyncIteration
         if step is DIES:
             raise ray.exceptions.RayActorError()
         tokens, finished, index = step  # type: ignore[misc]
-        return EngineChunk(
-            self.request.request_id, tokens, finished, "length" if finished else None,
-            len(PROMPT), 0, "replica", index,
+        return RequestOutput(
+            self.request.request_id, tokens, [], finished, "length" if finished else None,
+            len(PROMPT), 0, index, replica_id="replica",
         )  # fmt: skip
 
     def cancel(self) -> None:
@@ -67,13 +68,12 @@ class ScriptedHandle:
 
 
 def request(n: int = 1) -> EngineRequest:
-    return EngineRequest(
-        "req-1", PROMPT, SamplingParams(max_tokens=4, n=n, seed=5), HASHER.chain(PROMPT), b"k"
-    )
+    route = RoutingRequest("req-1", HASHER.chain(PROMPT), b"k", len(PROMPT), 16, 4)
+    return EngineRequest("req-1", PROMPT, SamplingParams(max_tokens=4, n=n, seed=5), route)
 
 
-def read_all(stream: EngineStream) -> list[EngineChunk]:
-    async def go() -> list[EngineChunk]:
+def read_all(stream: EngineStream) -> list[RequestOutput]:
+    async def go() -> list[RequestOutput]:
         chunks = [await stream.first()]
         chunks += [c async for c in stream.rest()]
         return chunks
@@ -89,7 +89,7 @@ def test_a_replica_dying_before_the_first_token_gets_the_request_resent_unchange
     handle = ScriptedHandle([DIES], [([7], False, 0), ([8, 9], True, 0)])
     stream = EngineStream(handle, request(), HASHER.chain, max_resumes=2)  # type: ignore[arg-type]
     chunks = read_all(stream)
-    assert [c.token_ids for c in chunks] == [[7], [8, 9]]
+    assert [c.new_token_ids for c in chunks] == [[7], [8, 9]]
     first, second = handle.calls
     assert second.request == first.request  # nothing delivered yet: the same request
     assert first.cancelled and stream.resumes == 1
@@ -100,13 +100,13 @@ def test_a_replica_dying_mid_stream_is_continued_from_what_the_client_has() -> N
         [([7], False, 0), ([8], False, 0), DIES], [([9], False, 0), ([10], True, 0)]
     )
     stream = EngineStream(handle, request(), HASHER.chain, max_resumes=2)  # type: ignore[arg-type]
-    assert [c.token_ids for c in read_all(stream)] == [[7], [8], [9], [10]]
+    assert [c.new_token_ids for c in read_all(stream)] == [[7], [8], [9], [10]]
     continuation = handle.calls[1].request
     assert continuation.request_id == "req-1" and continuation.prompt_token_ids == PROMPT
     assert continuation.output_token_ids == [7, 8]
     # hashed again over prompt + delivered tokens, so the router finds them where cached
-    assert continuation.block_hashes == HASHER.chain([*PROMPT, 7, 8])
-    assert len(continuation.block_hashes) == 3 and stream.resumes == 1
+    assert continuation.route.block_hashes == HASHER.chain([*PROMPT, 7, 8])
+    assert len(continuation.route.block_hashes) == 3 and stream.resumes == 1
 
 
 def test_resumes_are_bounded_then_the_request_fails_as_replica_failed() -> None:
@@ -128,7 +128,7 @@ def test_several_choices_are_resent_before_their_first_token_but_not_resumed_mid
     before = given_up("mid_stream")
     early = ScriptedHandle([DIES], [([1], True, 0), ([2], True, 1)])
     stream = EngineStream(early, request(n=2), HASHER.chain, max_resumes=2)  # type: ignore[arg-type]
-    assert [(c.index, c.token_ids) for c in read_all(stream)] == [(0, [1]), (1, [2])]
+    assert [(c.index, c.new_token_ids) for c in read_all(stream)] == [(0, [1]), (1, [2])]
     late = ScriptedHandle([([1], False, 0), ([2], False, 1), DIES], [([3], True, 0)])
     stream = EngineStream(late, request(n=2), HASHER.chain, max_resumes=2)  # type: ignore[arg-type]
     with pytest.raises(APIError) as failed:

@@ -6,16 +6,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from conftest import keep_logs
+from conftest import keep_logs, tiny
 from streams import resumed, run_streams
 from test_serve_e2e import assert_no_leaked_blocks
 
 from bench.harness.launcher import ServeCluster
 from bench.harness.redis_server import LocalRedis
 from cluster.config import ClusterArgs
-from kvindex.index import IndexConfig
-from replica.config import EngineConfig
-from router.config import RoutingConfig
+from kvindex.config import IndexConfig
+from router.config import routing_config
 
 MODEL = "tiny-llama-6m"
 SYSTEM = "You answer questions about the weather in one careful paragraph. " * 3
@@ -32,8 +31,8 @@ def cluster(redis_server: LocalRedis, request: pytest.FixtureRequest) -> Iterato
     args = ClusterArgs(
         num_replicas=2,
         max_ongoing_requests=16,
-        engine=EngineConfig(num_threads=1, num_blocks=512),
-        routing=RoutingConfig(stats_period_s=0.5),
+        engine=tiny(num_threads=1, num_blocks=512),
+        routing=routing_config(stats_period_s=0.5),
         index=IndexConfig(url=redis_server.url, cluster="failover"),
     )
     c = ServeCluster(args).start()

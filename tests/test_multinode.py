@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import keep_logs
+from conftest import keep_logs, tiny
 from ray.cluster_utils import Cluster
 from streams import Stream, resumed
 from test_failover import bodies
@@ -24,9 +24,9 @@ from test_serve_e2e import assert_no_leaked_blocks
 from bench.harness.launcher import ServeCluster
 from bench.harness.redis_server import LocalRedis
 from cluster.config import ClusterArgs
-from kvindex.index import BlockIndex, IndexConfig
-from replica.config import EngineConfig
-from router.config import RoutingConfig
+from kvindex.config import IndexConfig
+from kvindex.reader import IndexReader
+from router.config import routing_config
 
 MODEL = "tiny-llama-6m"
 HEARTBEAT_TTL_S = 3.0
@@ -74,8 +74,8 @@ def cluster(
         ingress_num_cpus=0,
         ingress_resources={"head": 0.5},
         max_ongoing_requests=16,
-        engine=EngineConfig(num_threads=1, num_blocks=512),
-        routing=RoutingConfig(stats_period_s=0.5),
+        engine=tiny(num_threads=1, num_blocks=512),
+        routing=routing_config(stats_period_s=0.5),
         index=IndexConfig(
             url=redis_server.url, cluster="multinode", heartbeat_ttl_s=HEARTBEAT_TTL_S
         ),
@@ -98,7 +98,7 @@ def replica_nodes(cluster: ServeCluster, count: int, timeout_s: float = 60) -> d
 
 
 def live_replicas(cluster: ServeCluster) -> set[str]:
-    index = BlockIndex(cluster.args.index, cluster.args.engine.model_id)
+    index = IndexReader(cluster.args.index, cluster.args.engine.model_id)
     try:
         return set(index.live_replicas())
     finally:

@@ -12,14 +12,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import keep_logs
+from conftest import keep_logs, tiny
 
 from bench.harness.launcher import ServeCluster
 from bench.harness.redis_server import LocalRedis
 from cluster.config import ClusterArgs
-from kvindex.index import IndexConfig
-from replica.config import EngineConfig
-from router.config import RoutingConfig
+from kvindex.config import IndexConfig
+from router.config import routing_config
 
 MODEL = "tiny-llama-6m"
 KEYS = ["sk-one", "sk-two"]
@@ -31,10 +30,10 @@ def cluster(redis_server: LocalRedis, request: pytest.FixtureRequest) -> Iterato
     failed = request.session.testsfailed
     args = ClusterArgs(
         num_replicas=1,  # isolation is checked on the very same replica
-        engine=EngineConfig(num_threads=1, num_blocks=512, max_model_len=1024),
+        engine=tiny(num_threads=1, num_blocks=512, max_model_len=1024),
         api_keys=KEYS,
         max_tokens_limit=64,  # the document's bound: any max_tokens it allows fits the context
-        routing=RoutingConfig(stats_period_s=0.5),
+        routing=routing_config(stats_period_s=0.5),
         index=IndexConfig(url=redis_server.url, cluster="api"),
     )
     c = ServeCluster(args).start()

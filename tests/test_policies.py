@@ -6,14 +6,13 @@ import os
 
 from bench.sim.peer_policies import DynamoKV, RayPrefixSim, SGLangCacheAware
 from kvindex.hashing import BlockHasher
-from router.config import RoutingConfig, make_policy
+from kvindex.records import ReplicaState, RoutingRequest
+from router.config import make_policy, routing_config
 from router.policies import (
     BoundedLoad,
     CacheAware,
     PrefixAffinity,
-    ReplicaState,
     RoundRobin,
-    RoutingRequest,
     rendezvous_order,
 )
 from router.prefill_cost import CostKnobs, PrefillCost
@@ -24,7 +23,7 @@ HASHER = BlockHasher(16, "m")
 def request(seed: int, num_blocks: int = 8, extra: int = 5) -> RoutingRequest:
     tokens = [(seed * 7919 + i) % 256 for i in range(num_blocks * 16 + extra)]
     chain = HASHER.chain(tokens)
-    return RoutingRequest(chain, HASHER.affinity_key(tokens, 4, chain=chain), len(tokens), 16)
+    return RoutingRequest("", chain, HASHER.affinity_key(tokens, 4, chain=chain), len(tokens), 16)
 
 
 def loads(*in_flight: int, answer: dict[str, int] | None = None) -> list[ReplicaState]:
@@ -60,7 +59,7 @@ def test_prefix_affinity_keeps_a_shared_prompt_together_and_spreads_distinct_one
     assert len(set(firsts)) == 4
     # a prompt shorter than a block is placed by its partial block: stable, and spread
     shorts = [
-        RoutingRequest([], HASHER.affinity_key([i, i + 1, i + 2], 4), 3, 16) for i in range(32)
+        RoutingRequest("", [], HASHER.affinity_key([i, i + 1, i + 2], 4), 3, 16) for i in range(32)
     ]
     choices = [policy.rank(short, loads(0, 0, 0, 0))[0] for short in shorts]
     assert len(set(choices)) == 4
@@ -132,11 +131,14 @@ def test_round_robin_cycles_and_every_policy_ranks_every_replica_once() -> None:
     assert placed == ["r0", "r1", "r2"] * 2
     rr.on_routed(request(0), "r1")  # a spill-over: the turn continues after where it went
     assert rr.rank(request(0), loads(0, 0, 0)) == ["r2", "r0", "r1"]
-    for name in ("round_robin", "prefix_affinity", "cache_aware", "prefill_cost", "dynamo_kv"):
-        policy = make_policy(RoutingConfig(policy=name))
+    ours = [make_policy(routing_config(policy=name)) for name in OUR_POLICIES]
+    for policy in [*ours, DynamoKV()]:
         ranked = policy.rank(request(1), loads(3, 0, 1, answer={"r1": 2}))
         assert sorted(ranked) == ["r0", "r1", "r2"]
         assert policy.rank(request(1), []) == []
+
+
+OUR_POLICIES = ("round_robin", "prefix_affinity", "cache_aware", "prefill_cost")
 
 
 def cost_policy(**knobs) -> PrefillCost:

@@ -26,7 +26,7 @@ from bench.assistant_prompts import SUPPORT_SYSTEM_PROMPT
 from bench.harness.launcher import ServeCluster
 from bench.harness.redis_server import LocalRedis
 from cluster.config import ClusterArgs
-from kvindex.index import IndexConfig
+from kvindex.config import IndexConfig
 from replica.checkpoints import SMOLLM2
 
 REPO = Path(__file__).resolve().parent.parent

@@ -59,7 +59,7 @@ def prompts(checkpoint) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def runner() -> ModelRunner:
-    return ModelRunner(EngineConfig(model=SMOLLM2, num_blocks=512))
+    return ModelRunner(EngineConfig(model=SMOLLM2, dtype="float32", num_blocks=512))
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +90,7 @@ def reference(hf_model, prompts) -> list[tuple[list[int], list[torch.Tensor]]]:
 
 def engine_with(runner: ModelRunner, **config) -> tuple[Engine, Recording]:
     recording = Recording(runner)
+    config = {"dtype": "float32", "max_num_batched_tokens": 512, **config}
     return Engine(EngineConfig(model=SMOLLM2, **config), runner=recording), recording
 
 

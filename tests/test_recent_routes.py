@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.policies import ReplicaState, RoutingRequest
+from kvindex.records import ReplicaState, RoutingRequest
 from router.prefill_cost import CostKnobs, PrefillCost
 from router.recent_routes import RecentRoutes
 
@@ -44,7 +44,7 @@ def test_without_the_index_a_prompt_follows_where_this_router_sent_it() -> None:
     chain = [A, B, C, D]
     recent.record("r1", chain, now=0.0)
     held = recent.held(chain, now=1.0)
-    request = RoutingRequest(chain, b"key", 70, 16, "q")
+    request = RoutingRequest("q", chain, b"key", 70, 16)
     replicas = [
         ReplicaState("r0"),
         ReplicaState("r1", booked_prefill_tokens=40, predicted_blocks=held.get("r1", 0)),

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 import redis
-from conftest import keep_logs
+from conftest import keep_logs, tiny
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_serve_e2e import assert_no_leaked_blocks
@@ -23,16 +23,16 @@ from test_serve_e2e import assert_no_leaked_blocks
 from bench.harness.launcher import ServeCluster
 from bench.harness.redis_server import LocalRedis
 from cluster.config import ClusterArgs
+from kvindex.config import IndexConfig
 from kvindex.hashing import BlockHasher
-from kvindex.index import BlockIndex, IndexConfig
+from kvindex.reader import IndexReader
 from replica.checkpoints.tokenizer import ByteTokenizer
-from replica.config import EngineConfig
-from router.config import RoutingConfig
+from router.config import routing_config
 
 MODEL = "tiny-llama-6m"
 KEY = "sk-test-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
-ENGINE = EngineConfig(num_threads=1, num_blocks=512, max_model_len=1024, hash_secret="s3cret")
+ENGINE = tiny(num_threads=1, num_blocks=512, max_model_len=1024, hash_secret="s3cret")
 MAX_TOKENS_LIMIT = 64
 
 
@@ -42,7 +42,7 @@ def cluster(redis_server: LocalRedis, request: pytest.FixtureRequest) -> Iterato
         engine=ENGINE,
         max_tokens_limit=MAX_TOKENS_LIMIT,
         api_keys=[KEY, "sk-second-key"],
-        routing=RoutingConfig(stats_period_s=0.5),
+        routing=routing_config(stats_period_s=0.5),
         index=IndexConfig(url=redis_server.url, cluster="reliability"),
     )
     failed = request.session.testsfailed
@@ -191,7 +191,7 @@ def test_salted_tenants_never_share_a_block(http: httpx.Client, redis_server: Lo
     prompt = "Tenant isolation check, a long shared system prompt. " * 12
     ids = ByteTokenizer().encode(prompt)
     hasher = ENGINE.block_hasher()
-    index = BlockIndex(IndexConfig(url=redis_server.url, cluster="reliability"), MODEL)
+    index = IndexReader(IndexConfig(url=redis_server.url, cluster="reliability"), MODEL)
 
     def send(salt: str | None) -> int:
         extra = {"cache_salt": salt} if salt else {}
@@ -208,14 +208,14 @@ def test_salted_tenants_never_share_a_block(http: httpx.Client, redis_server: Lo
 
     assert send("tenant-a") == 0
     deadline = time.monotonic() + 10
-    while not any((index.held(hasher.chain(ids, salt_of("tenant-a"))) or {}).values()):
+    while not any((index.cached(hasher.chain(ids, salt_of("tenant-a"))) or {}).values()):
         # the replica's publisher thread sends its blocks after the step that cached them
         assert time.monotonic() < deadline, "tenant-a's blocks never reached the index"
         time.sleep(0.1)
     for other in ("tenant-b", None):
-        assert set(index.held(hasher.chain(ids, salt_of(other))).values()) == {0}
+        assert set(index.cached(hasher.chain(ids, salt_of(other))).values()) == {0}
     for bare in ("tenant-a", None):  # the client's salt alone is not what was stored
-        assert set(index.held(hasher.chain(ids, bare)).values()) == {0}
+        assert set(index.cached(hasher.chain(ids, bare)).values()) == {0}
     assert send("tenant-b") == 0 and send(None) == 0
     assert send("tenant-a") > 0
     # the keyed index never stores an unkeyed hash of what it served

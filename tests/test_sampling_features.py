@@ -8,8 +8,9 @@ import random
 
 import pytest
 import torch
+from conftest import tiny
 
-from replica.engine import Engine, EngineConfig, SamplingParams
+from replica.engine import Engine, SamplingParams
 from replica.engine.scheduler import ScheduledBatch
 from replica.model.runner import ModelRunner
 from replica.sampling.logits_processing import process_logits
@@ -57,14 +58,13 @@ def test_logits_processing_matches_the_reference(seed: int) -> None:
 
 def test_n_choices_share_one_prefill_and_equal_separate_seeded_requests() -> None:
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=7, n=4, ignore_eos=True)
-    engine = Engine(EngineConfig())
+    engine = Engine(tiny())
     outs = engine.generate_choices(PROMPT, params)
     assert [o.index for o in outs] == [0, 1, 2, 3]
     # one prefill of the prompt, then 11 decode tokens per choice
     assert engine.stats().computed_tokens == len(PROMPT) + 4 * 11
     separate = [
-        Engine(EngineConfig()).generate([PROMPT], params.for_choice(i))[0].token_ids
-        for i in range(4)
+        Engine(tiny()).generate([PROMPT], params.for_choice(i))[0].token_ids for i in range(4)
     ]
     assert [o.token_ids for o in outs] == separate
     assert len({tuple(o.token_ids) for o in outs}) == 4
@@ -74,8 +74,8 @@ def test_n_choices_share_one_prefill_and_equal_separate_seeded_requests() -> Non
 
 def test_choices_survive_a_pool_with_no_block_for_the_copy() -> None:
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=3, ignore_eos=True)
-    engine = Engine(EngineConfig(num_blocks=4, block_size=16))  # 2 for the prompt, 2 left
-    reference = Engine(EngineConfig()).generate_choices(PROMPT, params)
+    engine = Engine(tiny(num_blocks=4, block_size=16))  # 2 for the prompt, 2 left
+    reference = Engine(tiny()).generate_choices(PROMPT, params)
     outs = engine.generate_choices(PROMPT, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
     engine.check_invariants()
@@ -93,7 +93,7 @@ class Recording:
 
 
 def test_logprobs_are_the_raw_log_softmax_at_each_sampled_token() -> None:
-    config = EngineConfig()
+    config = tiny()
     recording = Recording(ModelRunner(config))
     engine = Engine(config, runner=recording)
     params = SamplingParams(max_tokens=5, logprobs=3, ignore_eos=True, repetition_penalty=1.5)
@@ -112,7 +112,7 @@ def test_logprobs_are_the_raw_log_softmax_at_each_sampled_token() -> None:
 
 
 def test_prompt_logprobs_score_every_prompt_token_even_when_cached() -> None:
-    config = EngineConfig(max_num_batched_tokens=16, max_num_seqs=4)  # two chunks
+    config = tiny(max_num_batched_tokens=16, max_num_seqs=4)  # two chunks
     engine = Engine(config)
     engine.generate([PROMPT], SamplingParams(max_tokens=1))  # its first block is cached now
     before = engine.stats().computed_tokens
@@ -123,8 +123,8 @@ def test_prompt_logprobs_score_every_prompt_token_even_when_cached() -> None:
     scores = out.prompt_logprobs
     assert scores[0] is None and len(scores) == len(PROMPT)
     # the same scores from a plain forward over the whole prompt
-    runner = ModelRunner(EngineConfig(enable_prefix_cache=False))
-    whole = Engine(EngineConfig(enable_prefix_cache=False), runner=runner)
+    runner = ModelRunner(tiny(enable_prefix_cache=False))
+    whole = Engine(tiny(enable_prefix_cache=False), runner=runner)
     whole.generate([PROMPT], params)
     reference = whole_prompt_logprobs(runner, PROMPT)
     for entry, token, want in zip(scores[1:], PROMPT[1:], reference, strict=True):
@@ -135,14 +135,14 @@ def test_prompt_logprobs_score_every_prompt_token_even_when_cached() -> None:
 
 def whole_prompt_logprobs(runner: ModelRunner, prompt: list[int]) -> list[float]:
     """log p(prompt[j] | prompt[:j]) from one unchunked, uncached forward pass."""
-    engine = Engine(EngineConfig(enable_prefix_cache=False), runner=Recording(runner))
+    engine = Engine(tiny(enable_prefix_cache=False), runner=Recording(runner))
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     out = engine.generate([prompt], params)[0]
     return [e.logprob for e in out.prompt_logprobs[1:]]
 
 
 def test_min_tokens_hold_the_end_back_and_logit_bias_forces_a_token() -> None:
-    engine = Engine(EngineConfig(model={"eos_token_ids": [65]}))
+    engine = Engine(tiny(model={"eos_token_ids": [65]}))
     forced = SamplingParams(max_tokens=8, logit_bias={65: 100.0})
     assert engine.generate([PROMPT], forced)[0].token_ids == [65]  # EOS at once
     held = SamplingParams(max_tokens=8, logit_bias={65: 100.0}, min_tokens=5)
@@ -155,7 +155,7 @@ def test_min_tokens_hold_the_end_back_and_logit_bias_forces_a_token() -> None:
 def test_extreme_parameters_sample_a_token_and_never_fail_the_step(temperature: float) -> None:
     # a repetition penalty of 5e-324 divides positive logits to infinity; the step must
     # still sample (it once raised inside torch.multinomial and stopped the engine loop)
-    engine = Engine(EngineConfig())
+    engine = Engine(tiny())
     extreme = SamplingParams(
         max_tokens=4,
         temperature=temperature,

@@ -13,14 +13,14 @@ import httpx
 import openai
 import pytest
 import redis
-from conftest import keep_logs
+from conftest import keep_logs, tiny
 
 from bench.harness.launcher import ServeCluster
 from bench.harness.redis_server import LocalRedis
 from cluster.config import ClusterArgs
-from kvindex.index import BlockIndex, IndexConfig
-from replica.config import EngineConfig
-from router.config import RoutingConfig
+from kvindex.config import IndexConfig
+from kvindex.reader import IndexReader
+from router.config import routing_config
 
 MODEL = "tiny-llama-6m"
 SYSTEM = "You are a careful assistant for a shipping company. " * 12  # ~640 tokens
@@ -33,8 +33,8 @@ def cluster_args(redis_url: str, policy: str, **overrides) -> ClusterArgs:
         ingress_num_cpus=0.1,
         max_ongoing_requests=4,
         max_queued_requests=4,
-        engine=EngineConfig(num_threads=1, num_blocks=512, max_model_len=2048),
-        routing=RoutingConfig(policy=policy, stats_period_s=0.5),
+        engine=tiny(num_threads=1, num_blocks=512, max_model_len=2048),
+        routing=routing_config(policy=policy, stats_period_s=0.5),
         index=IndexConfig(url=redis_url, cluster="e2e"),
         **overrides,
     )
@@ -259,7 +259,7 @@ def assert_no_leaked_blocks(cluster: ServeCluster, timeout_s: float = 20.0) -> N
     """Once idle, every replica's blocks are free or cached, none left in use, and every
     routing booking is released: the router's own and those in Redis."""
     deadline = time.monotonic() + timeout_s
-    index = BlockIndex(cluster.args.index, MODEL)
+    index = IndexReader(cluster.args.index, MODEL)
     while True:
         stats = cluster.stats()
         replicas = stats["replicas"]
@@ -328,7 +328,7 @@ def test_serving_goes_on_with_affinity_while_redis_is_down(
 def test_round_robin_alternates(redis_server: LocalRedis, cluster: ServeCluster) -> None:
     cluster.stop()  # one cluster at a time on two cores
     # a clean shutdown deregisters every replica and purges its blocks
-    index = BlockIndex(cluster.args.index, MODEL)
+    index = IndexReader(cluster.args.index, MODEL)
     assert index.live_replicas() == {}
     assert redis.Redis.from_url(redis_server.url).keys(f"{index.namespace}*".encode()) == []
     # a heartbeat TTL far longer than the test waits, so that only a replica's own

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import tiny
 
 from bench.experiments.simulate import PEERS, sim_policy
 from bench.sim import cost_model
@@ -19,7 +20,7 @@ from replica.config import EngineConfig
 from replica.engine.scheduler import ScheduledBatch
 
 COST = CostModel(base_s=0.008, prefill_token_s=0.0004, decode_seq_s=0.001)
-ENGINE = EngineConfig(num_blocks=256)
+ENGINE = tiny(num_blocks=256)
 
 
 def simulate(policy: str, trace, replicas: int = 4) -> Simulation:
@@ -81,16 +82,17 @@ def test_no_policy_invents_savings_on_random_prompts() -> None:
 
 
 def test_calibration_fits_a_positive_cost_model() -> None:
-    tiny = EngineConfig(
+    small = EngineConfig(
+        dtype="float32",
         model={
             "num_layers": 2,
             "hidden_size": 64,
             "num_heads": 4,
             "num_kv_heads": 2,
             "intermediate_size": 128,
-        }
+        },
     )
-    cost = calibrate(tiny)
+    cost = calibrate(small)
     assert cost.prefill_token_s > 0
     assert "steps" in cost.measured
 
@@ -115,7 +117,7 @@ def test_calibration_recovers_a_known_step_cost(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(
         cost_model, "time", SimpleNamespace(perf_counter=clock, strftime=time.strftime)
     )
-    fitted = calibrate(EngineConfig())
+    fitted = calibrate(tiny())
     assert fitted.base_s == pytest.approx(truth.base_s, rel=1e-6)
     assert fitted.prefill_token_s == pytest.approx(truth.prefill_token_s, rel=1e-6)
     assert fitted.decode_seq_s == pytest.approx(truth.decode_seq_s, rel=1e-6)

@@ -26,10 +26,11 @@ from bench.harness.launcher import ServeCluster
 from bench.harness.redis_server import LocalRedis
 from bench.harness.scenario import counts
 from bench.loadgen import RequestResult, drive
-from bench.workloads import TraceRequest, WorkloadSpec, make_trace
+from bench.workloads import TraceRequest, WorkloadSpec, fast_engine, make_trace
 from cluster.config import Autoscaling, ClusterArgs
-from kvindex.index import BlockIndex, IndexConfig
-from replica.config import EngineConfig
+from kvindex.config import IndexConfig
+from kvindex.reader import IndexReader
+from replica.checkpoints import TINY_MODEL
 from replica.engine.stats import percentile
 
 
@@ -79,7 +80,7 @@ class Sample:
 class ReplicaSampler(threading.Thread):
     """Once a second: the index's live replicas and Serve's own view (its REST API)."""
 
-    def __init__(self, index: BlockIndex, dashboard: str) -> None:
+    def __init__(self, index: IndexReader, dashboard: str) -> None:
         super().__init__(daemon=True)
         self.index = index
         self.dashboard = dashboard
@@ -121,13 +122,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 look_back_period_s=5.0,
             ),
             replica_num_cpus=min(0.5, 1.5 / args.max_replicas),
-            engine=EngineConfig(num_threads=1, num_blocks=640),
+            engine=fast_engine(TINY_MODEL, num_blocks=640),
             index=IndexConfig(url=redis_server.url, cluster="autoscale"),
         )
         with ServeCluster(cluster_args) as cluster:
             # the experiment's own client: patient, unlike the routers' 250 ms
             patient = cluster_args.index.model_copy(update={"timeout_s": 2.0})
-            index = BlockIndex(patient, cluster_args.engine.model_id)
+            index = IndexReader(patient, cluster_args.engine.model_id)
             initial = set(index.live_replicas())
             sampler = ReplicaSampler(index, cluster.dashboard_url())
             sampler.start()

@@ -13,8 +13,10 @@ import redis
 
 from bench.experiments.index_scale import measure_scale
 from bench.harness.redis_server import LocalRedis
+from kvindex.config import IndexConfig
 from kvindex.hashing import BlockHasher
-from kvindex.index import BlockIndex, IndexConfig
+from kvindex.reader import IndexReader
+from kvindex.writer import IndexWriter
 from replica.engine.stats import percentile
 
 
@@ -47,7 +49,7 @@ def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
     config = IndexConfig(
         url=url, cluster=f"bench-{os.getpid()}", timeout_s=1.0, heartbeat_ttl_s=3600
     )
-    index = BlockIndex(config, "bench-model")
+    writer, reader = IndexWriter(config, "bench-model"), IndexReader(config, "bench-model")
     client = redis.Redis.from_url(url)
     mem_before = client.info("memory")["used_memory"]
 
@@ -58,27 +60,27 @@ def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
     publish_times: list[float] = []
     for r in range(args.replicas):
         rid = f"replica-{r}"
-        index.register(rid, "epoch-1")
+        writer.register(rid, "epoch-1")
         held = chain[: len(chain) * r // args.replicas]
         filler = [os.urandom(16) for _ in range(per_replica - len(held))]
         blocks = held + filler
         for i in range(0, len(blocks), args.batch):
             t0 = time.perf_counter()
-            index.publish(rid, "epoch-1", blocks[i : i + args.batch])
+            writer.publish(rid, "epoch-1", blocks[i : i + args.batch])
             publish_times.append(time.perf_counter() - t0)
-    indexed = sum(len(index.replica_blocks(f"replica-{r}")) for r in range(args.replicas))
+    indexed = sum(len(reader.replica_blocks(f"replica-{r}")) for r in range(args.replicas))
     mem_after = client.info("memory")["used_memory"]
 
     for _ in range(50):  # warm up the script cache and the connection
-        index.held(chain)
+        reader.cached(chain)
     latencies = []
     for _ in range(args.queries):
         t0 = time.perf_counter()
-        answer = index.held(chain)
+        answer = reader.cached(chain)
         latencies.append(time.perf_counter() - t0)
     assert answer is not None and len(answer) == args.replicas
     for r in range(args.replicas):
-        index.deregister(f"replica-{r}", "epoch-1")
+        writer.deregister(f"replica-{r}", "epoch-1")
     return {
         "replicas": args.replicas,
         "blocks_indexed": indexed,

@@ -17,9 +17,11 @@ from typing import Any
 
 import redis
 
+from kvindex.config import IndexConfig
 from kvindex.hashing import BlockHasher
-from kvindex.index import BlockIndex, IndexConfig
+from kvindex.reader import IndexReader
 from kvindex.records import Booking
+from kvindex.writer import IndexWriter
 from replica.engine.stats import percentile
 
 
@@ -67,15 +69,15 @@ def _held(layout: str, r: int, n: int, chain: list[bytes]) -> list[bytes]:
     return chain if r < 2 else chain[:shared]
 
 
-def _fill(index: BlockIndex, n: int, blocks: int, held: Any) -> None:
+def _fill(writer: IndexWriter, n: int, blocks: int, held: Any) -> None:
     """Register ``n`` replicas, replica r holding ``held(r)`` and unrelated blocks."""
     for r in range(n):
         rid = f"replica-{r}"
-        index.register(rid, "epoch-1")
+        writer.register(rid, "epoch-1")
         mine = held(r)
         batch = mine + [os.urandom(16) for _ in range(blocks - len(mine))]
         for i in range(0, len(batch), 512):
-            index.publish(rid, "epoch-1", batch[i : i + 512])
+            writer.publish(rid, "epoch-1", batch[i : i + 512])
 
 
 def measure_scale(url: str, n: int, args: Any) -> dict[str, Any]:
@@ -83,7 +85,7 @@ def measure_scale(url: str, n: int, args: Any) -> dict[str, Any]:
     config = IndexConfig(
         url=url, cluster=f"scale-{n}-{os.getpid()}", timeout_s=5.0, heartbeat_ttl_s=3600
     )
-    index = BlockIndex(config, "bench-model")
+    writer, reader = IndexWriter(config, "bench-model"), IndexReader(config, "bench-model")
     client = redis.Redis.from_url(url)
     hasher = BlockHasher(args.block_size, "bench-model")
     chains = {
@@ -94,7 +96,7 @@ def measure_scale(url: str, n: int, args: Any) -> dict[str, Any]:
         chains[layout] = chains["global"][:2] + chains[layout][2:]
     mem_before = client.info("memory")["used_memory"]
     _fill(
-        index,
+        writer,
         n,
         args.blocks_per_replica,
         lambda r: sorted({h for lay in LAYOUTS for h in _held(lay, r, n, chains[lay])}),
@@ -102,18 +104,19 @@ def measure_scale(url: str, n: int, args: Any) -> dict[str, Any]:
     memory = client.info("memory")["used_memory"] - mem_before
     queries = max(20, min(args.queries, 20_000 // n))
     query = {
-        layout: _timed(client, queries, lambda c=chains[layout]: index.query(c))
+        layout: _timed(client, queries, lambda c=chains[layout]: reader.query(c))
         for layout in LAYOUTS
     }
-    beat = _timed(client, 200, lambda: index.heartbeat("replica-0", "epoch-1", {"x": 1}))
-    publish = _timed(client, 200, lambda: index.publish("replica-1", "epoch-1", [os.urandom(16)]))
+    beat = _timed(client, 200, lambda: writer.heartbeat("replica-0", "epoch-1", {"x": 1}))
+    publish = _timed(client, 200, lambda: writer.publish("replica-1", "epoch-1", [os.urandom(16)]))
     booking = Booking("replica-0", "req", 512, 4, tuple(chains["tenant"]))
     loop = asyncio.new_event_loop()  # one loop: the async client's connections live on it
-    route = _timed(client, 100, lambda: loop.run_until_complete(_book_cycle(index, booking)))
+    route = _timed(client, 100, lambda: loop.run_until_complete(_book_cycle(reader, booking)))
     loop.close()
     for r in range(n):
-        index.deregister(f"replica-{r}", "epoch-1")
-    index.close()
+        writer.deregister(f"replica-{r}", "epoch-1")
+    writer.close()
+    reader.close()
     per_request_us = query["tenant"]["redis_us"] + route["redis_us"]
     beats_per_s = n / config.heartbeat_interval_s
     return {
@@ -133,8 +136,8 @@ def measure_scale(url: str, n: int, args: Any) -> dict[str, Any]:
     }
 
 
-async def _book_cycle(index: BlockIndex, booking: Booking) -> None:
+async def _book_cycle(reader: IndexReader, booking: Booking) -> None:
     """One routed request's writes: book, prefill done, release."""
-    await index.abook(booking, predict_ttl_s=5.0, booking_ttl_s=60.0)
-    await index.aprefill_done(booking.replica_id, booking.request_id)
-    await index.arelease(booking.replica_id, booking.request_id)
+    await reader.abook(booking, predict_ttl_s=5.0, booking_ttl_s=60.0)
+    await reader.aprefill_done(booking.replica_id, booking.request_id)
+    await reader.arelease(booking.replica_id, booking.request_id)

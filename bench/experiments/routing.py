@@ -21,23 +21,39 @@ import httpx
 from bench.harness.launcher import ServeCluster
 from bench.harness.redis_server import LocalRedis
 from bench.loadgen import drive, progress_printer
+from bench.peers.ray_router import CLASS_PATH as TIMED_RAY_DEFAULT
 from bench.report import combine, slug, summarize, write_report
 from bench.workloads import (
     WORKLOADS,
     TraceRequest,
     WorkloadSpec,
+    fast_engine,
     load_trace,
     make_trace,
     oracle_hit_rate,
     save_trace,
 )
 from cluster.config import ClusterArgs
-from kvindex.index import BlockIndex, IndexConfig
+from kvindex.config import IndexConfig
+from kvindex.reader import IndexReader
 from replica.checkpoints import TINY_MODEL, checkpoint_for
 from replica.config import EngineConfig
-from router.config import RoutingConfig
+from router.config import RayRouting, ServedPolicy, routing_config
 
 POLICIES = ("round_robin", "prefill_cost", "cache_aware", "ray_default", "ray_prefix")
+
+
+def our_routing(
+    policy: str, epsilon: float, knobs: dict[str, Any]
+) -> ServedPolicy | RayRouting:
+    """The routing section for a policy: ``epsilon`` where the policy has one, ``knobs``
+    (the section's own fields) on top; Ray's default router timed like ours."""
+    fields: dict[str, Any] = {"policy": policy}
+    if policy in ("cache_aware", "prefix_affinity"):
+        fields["epsilon"] = epsilon
+    if policy == "ray_default":
+        fields["router_class"] = TIMED_RAY_DEFAULT
+    return routing_config(**fields, **knobs)
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,7 +116,7 @@ def section_name(rate: float) -> str:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out = args.out or Path(f"results/routing-{args.workload}")
     policies = [p for p in args.policies.split(",") if p]
-    engine = EngineConfig(model=args.model, num_threads=1, num_blocks=args.num_blocks)
+    engine = fast_engine(args.model, num_blocks=args.num_blocks)
     hasher, tokenizer = engine.block_hasher(), checkpoint_for(engine.model).tokenizer()
     payload: dict[str, Any] = {
         "title": f"Routing policies on the real cluster: {args.workload}, {args.replicas} replicas",
@@ -149,7 +165,7 @@ def run_policy(
         ingress_replicas=args.ingress_replicas,
         engine=engine,
         max_queued_requests=-1,  # an experiment measures queueing; it does not shed
-        routing=RoutingConfig(policy=policy, epsilon=args.epsilon, **knobs),
+        routing=our_routing(policy, args.epsilon, knobs),
         index=IndexConfig(url=redis_url, cluster=namespace),
     )
     cluster = ServeCluster(cluster_args)
@@ -161,7 +177,7 @@ def run_policy(
     try:
         replicas = int(args.replicas)
         _warm_up(cluster.base_url, engine.model_id, replicas)
-        index = BlockIndex(cluster_args.index, engine.model_id)
+        index = IndexReader(cluster_args.index, engine.model_id)
         before = _fresh_stats(index, replicas)
         results, makespan = drive(
             cluster.base_url, engine.model_id, trace, 120.0, progress_printer(label)
@@ -196,7 +212,7 @@ def _warm_up(base_url: str, model: str, replicas: int) -> None:
 
 
 def _fresh_stats(
-    index: BlockIndex, replicas: int, newer_than: float = 0.0, timeout_s: float = 15.0
+    index: IndexReader, replicas: int, newer_than: float = 0.0, timeout_s: float = 15.0
 ) -> dict[str, dict[str, Any]]:
     """Every replica's counters, reported after ``newer_than`` (a wall-clock time)."""
     deadline = time.monotonic() + timeout_s

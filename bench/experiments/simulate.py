@@ -11,18 +11,19 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.experiments.routing import add_workload_arguments, section_name, traces
+from bench.experiments.routing import add_workload_arguments, our_routing, section_name, traces
 from bench.report import summarize, write_report
 from bench.sim.cost_model import DEFAULT_CALIBRATION, CostModel, calibrate
-from bench.sim.peer_policies import RayPrefixSim
+from bench.sim.peer_policies import DynamoKV, RayPrefixSim, SGLangCacheAware
 from bench.sim.simulator import Simulation
-from bench.workloads import TraceRequest, oracle_hit_rate
+from bench.workloads import TraceRequest, fast_engine, oracle_hit_rate
 from replica.checkpoints import checkpoint_for
 from replica.config import EngineConfig
-from router.config import RoutingConfig, make_policy
+from router.config import make_policy
 from router.policies import RoutingPolicy
 
 OURS = ("round_robin", "prefix_affinity", "cache_aware", "prefill_cost")
@@ -30,13 +31,21 @@ PEERS = ("ray_prefix_sim", "ray_prefix_sim_t10", "sglang_cache_aware", "dynamo_k
 SIMULATED = OURS + PEERS
 
 
+PEER_MODELS: dict[str, Callable[[], RoutingPolicy]] = {
+    "ray_prefix_sim": RayPrefixSim,
+    "ray_prefix_sim_t10": lambda: RayPrefixSim(imbalanced_threshold=10),
+    "sglang_cache_aware": SGLangCacheAware,
+    "dynamo_kv": DynamoKV,
+}
+
+
 def sim_policy(name: str, epsilon: float = 0.25, knobs: str | None = None) -> RoutingPolicy:
-    """A policy by name: ours and the peers' models (Ray's with its old imbalance threshold
-    of 10 as ``ray_prefix_sim_t10``); ``knobs`` (JSON) overrides ``RoutingConfig`` fields."""
-    if name == "ray_prefix_sim_t10":
-        return RayPrefixSim(imbalanced_threshold=10)
-    overrides = json.loads(knobs) if knobs else {}
-    return make_policy(RoutingConfig(policy=name, epsilon=epsilon, **overrides))
+    """A policy by name: ours (``knobs``, JSON, overrides its routing section's fields;
+    ``epsilon`` goes to the policies that have one) and the peers' models (Ray's with its
+    old imbalance threshold of 10 as ``ray_prefix_sim_t10``)."""
+    if name in PEER_MODELS:
+        return PEER_MODELS[name]()
+    return make_policy(our_routing(name, epsilon, json.loads(knobs) if knobs else {}))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out = args.out or Path(f"results/simulate-{args.workload}")
-    engine = EngineConfig(model=args.model, num_threads=1, num_blocks=args.num_blocks)
+    engine = fast_engine(args.model, num_blocks=args.num_blocks)
     tokenizer = checkpoint_for(engine.model).tokenizer()
     if args.calibrate:
         cost = calibrate(engine)

@@ -25,7 +25,7 @@ import yaml
 
 from bench.harness.redis_server import free_port
 from cluster.config import ClusterArgs
-from kvindex.index import BlockIndex
+from kvindex.reader import IndexReader
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -178,7 +178,7 @@ class ServeCluster:
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        index = BlockIndex(self.args.index, self.args.engine.model_id)
+        index = IndexReader(self.args.index, self.args.engine.model_id)
         while time.monotonic() < deadline:
             if self._proc is not None and self._proc.poll() is not None:
                 raise RuntimeError(f"serve run exited; see {self.log_path}")

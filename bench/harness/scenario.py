@@ -14,10 +14,11 @@ import httpx
 from bench.harness.launcher import ServeCluster
 from bench.harness.redis_server import LocalRedis
 from bench.loadgen import RequestResult, drive
-from bench.workloads import TraceRequest, WorkloadSpec, make_trace
+from bench.workloads import TraceRequest, WorkloadSpec, fast_engine, make_trace
 from cluster.config import ClusterArgs
-from kvindex.index import BlockIndex, IndexConfig
-from replica.config import EngineConfig
+from kvindex.config import IndexConfig
+from kvindex.reader import IndexReader
+from replica.checkpoints import TINY_MODEL
 from replica.engine.stats import percentile
 
 
@@ -29,7 +30,7 @@ class Scenario:
         self.args = ClusterArgs(
             num_replicas=num_replicas,
             replica_num_cpus=min(0.5, 1.5 / num_replicas),
-            engine=EngineConfig(num_threads=1, num_blocks=640),
+            engine=fast_engine(TINY_MODEL, num_blocks=640),
             max_queued_requests=max_queued_requests,
             index=IndexConfig(url=self.redis.url, cluster="faults"),
         )
@@ -37,7 +38,7 @@ class Scenario:
         # the harness's own reads wait longer than a router's 250 ms: on 2 busy cores a
         # timeout here would abort the scenario, not measure it
         watch = self.args.index.model_copy(update={"timeout_s": 2.0, "connect_timeout_s": 2.0})
-        self.index = BlockIndex(watch, self.args.engine.model_id)
+        self.index = IndexReader(watch, self.args.engine.model_id)
         self.results: list[RequestResult] = []
         self._thread: threading.Thread | None = None
 

@@ -1,35 +1,53 @@
 """Ray Serve's default router (power of two choices), timed like ours.
 
-``ray_default`` runs this subclass, so the routing decision time of Ray's own router is
-measured at the same place as ``PrefixAwareRequestRouter``'s (``choose_replicas``) and shows
-in ``/cluster/stats`` and ``/metrics`` beside it. It changes nothing else.
+The routing experiment runs ``ray_default`` with this subclass (``routing.router_class``),
+so the decision time of Ray's own router is measured at the same place as
+``PrefixAwareRequestRouter``'s (``choose_replicas``) and shows in ``/cluster/stats`` and
+``/metrics`` beside it. It changes nothing else.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from typing import Any
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
-from router import routing_stats
+from router import link, routing_stats
+
+CLASS_PATH = "bench.peers.ray_router:TimedPowerOfTwoRouter"
 
 
 class TimedPowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):
     def initialize_state(self, **kwargs: object) -> None:
         super().initialize_state(**kwargs)
-        routing_stats.STATE.policy = "ray_default"
-        routing_stats.STATE.attach(self)
+        self.stats = routing_stats.RouterStats("ray_default")
+        self.loop: asyncio.AbstractEventLoop | None = None
+        link.LINK.attach(self)
 
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        self.loop = asyncio.get_running_loop()  # where the ingress's calls must run
         start = time.perf_counter()
         ranked = await super().choose_replicas(candidate_replicas, pending_request)
         args = pending_request.args if pending_request is not None else ()
         request_id = getattr(args[0], "request_id", "") if args else ""
-        elapsed = time.perf_counter() - start
-        routing_stats.STATE.record_decision(request_id, elapsed, "ray_default")
+        self.stats.record_decision(request_id, time.perf_counter() - start, "ray_default")
         return ranked
+
+    def prefill_done(self, request_id: str) -> None:
+        pass  # Ray's router books nothing
+
+    def reason(self, request_id: str) -> str | None:
+        return self.stats.reason(request_id)
+
+    def snapshot(self) -> dict[str, Any]:
+        replicas = {
+            r.replica_id.unique_id: r.routing_stats or {} for r in self.curr_replicas.values()
+        }
+        return self.stats.snapshot(replicas)

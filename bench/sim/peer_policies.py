@@ -21,32 +21,32 @@ to it (their trees are filled at routing time, from prompts), not what its cache
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from router.policies import ReplicaState, RoutingPolicy, RoutingRequest, rendezvous_order
+from kvindex.records import ReplicaState, RoutingRequest, leading_runs
+from router.policies import RoutingPolicy, rendezvous_order
 
 
 class RoutedPrefixes:
     """What a text-tree router knows: the block hashes it routed to each replica."""
 
     def __init__(self) -> None:
-        self.routed: dict[str, set[bytes]] = {}
+        self.by_block: dict[bytes, set[str]] = {}
+        self.sizes: dict[str, int] = {}
 
     def add(self, request: RoutingRequest, replica_id: str) -> None:
-        self.routed.setdefault(replica_id, set()).update(request.block_hashes)
-
-    def match(self, request: RoutingRequest, replica_id: str) -> int:
-        """Leading prompt blocks already routed to the replica."""
-        held = self.routed.get(replica_id, set())
-        run = 0
         for h in request.block_hashes:
-            if h not in held:
-                break
-            run += 1
-        return run
+            holders = self.by_block.setdefault(h, set())
+            if replica_id not in holders:
+                holders.add(replica_id)
+                self.sizes[replica_id] = self.sizes.get(replica_id, 0) + 1
+
+    def matches(self, request: RoutingRequest, replica_ids: Iterable[str]) -> dict[str, int]:
+        """Leading prompt blocks already routed to each replica."""
+        return leading_runs(request.block_hashes, replica_ids, lambda h: self.by_block.get(h, ()))
 
     def size(self, replica_id: str) -> int:
-        return len(self.routed.get(replica_id, ()))
+        return self.sizes.get(replica_id, 0)
 
 
 class _TextTreePolicy(RoutingPolicy):
@@ -64,7 +64,7 @@ class _TextTreePolicy(RoutingPolicy):
         """In-flight loads, replicas least loaded first, and each one's matched blocks."""
         loads = {r.replica_id: r.in_flight for r in replicas}
         by_load = sorted(loads, key=lambda rid: (loads[rid], rid))
-        matches = {rid: self.prefixes.match(request, rid) for rid in loads}
+        matches = self.prefixes.matches(request, loads)
         return loads, by_load, matches
 
 

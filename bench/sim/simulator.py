@@ -2,11 +2,12 @@
 
 Each simulated replica is the real ``replica.engine.Engine`` (scheduler, block manager,
 prefix cache, allocator, metrics, events) with the model replaced by a calibrated cost model
-(``cost_model``) and wall time by a virtual clock. Routing uses the real policy classes
-(ours and the peers' models); the index is an in-memory copy of the Redis index's semantics
-(``sim_index``: published blocks from the same engine events, bookings and predicted blocks
-from the routing decisions). Like Serve, a replica takes at most ``max_ongoing_requests``;
-the rest wait, in order, for the first free slot among the replicas the policy ranked.
+(``cost_model``) and wall time by a virtual clock. Routing is the real ``router.core``
+(the very calls the Serve router makes, with our policies or the peers' models); the index
+is an in-memory copy of the Redis index's semantics (``bench.sim.index``: published blocks
+from the same engine events, bookings and predicted blocks from the routing decisions). Like
+Serve, a replica takes at most ``max_ongoing_requests``; the rest wait, in order, for the
+first free slot among the replicas the policy ranked.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from bench.loadgen import RequestResult
 from bench.sim.cost_model import Clock, CostModel, CostRunner
 from bench.sim.index import SimIndex
 from bench.workloads import TraceRequest
+from kvindex.records import RoutingRequest
 from replica.checkpoints import checkpoint_for
 from replica.config import EngineConfig
 from replica.engine import Engine
-from replica.engine.outputs import RequestOutput
+from replica.messages import RequestOutput
 from replica.sampling.params import SamplingParams
-from router.policies import RoutingPolicy, RoutingRequest
+from router.core import RoutingCore
+from router.policies import RoutingPolicy
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,7 @@ class _Pending:
     """A request that arrived: tokenized and hashed once, placed when a slot frees up."""
 
     request: TraceRequest
-    routing: RoutingRequest
+    route: RoutingRequest
     token_ids: list[int]
 
 
@@ -59,7 +62,7 @@ class Simulation:
         affinity_blocks: int = 4,
         predict_ttl_s: float = 5.0,
     ) -> None:
-        self.policy = policy
+        self.core = RoutingCore(policy)
         self.config = config
         self.hasher = config.block_hasher()
         self.tokenizer = checkpoint_for(config.model).tokenizer()
@@ -76,14 +79,18 @@ class Simulation:
             engine.subscribe(self.index.listener(rid))
             self.replicas[rid] = SimReplica(rid, engine, clock)
 
-    def run(self, trace: Sequence[TraceRequest]) -> tuple[list[RequestResult], float]:
-        """Results in trace order, and the makespan (simulated seconds)."""
+    def reset(self, trace: Sequence[TraceRequest]) -> None:
+        """Empty queues and a result slot for each request of ``trace`` (``run`` starts so)."""
         self._events: list[tuple[float, int, str, object]] = []
         self._order = itertools.count()
         self._waiting: deque[_Pending] = deque()
         self._results = {r.request_id: RequestResult(r.request_id, r.group, 200) for r in trace}
         self._arrival = {r.request_id: r.arrival_s for r in trace}
         self._last_token: dict[str, float] = {}
+
+    def run(self, trace: Sequence[TraceRequest]) -> tuple[list[RequestResult], float]:
+        """Results in trace order, and the makespan (simulated seconds)."""
+        self.reset(trace)
         for req in trace:
             self._push(req.arrival_s, "arrive", req)
         now = 0.0
@@ -105,8 +112,10 @@ class Simulation:
         ids = req.token_ids(self.tokenizer)
         chain = self.hasher.chain(ids)
         key = self.hasher.affinity_key(ids, self.affinity_blocks, chain=chain)
-        routing = RoutingRequest(chain, key, len(ids), self.hasher.block_size, req.request_id)
-        pending = _Pending(req, routing, ids)
+        route = RoutingRequest(
+            req.request_id, chain, key, len(ids), self.hasher.block_size, req.max_tokens
+        )
+        pending = _Pending(req, route, ids)
         if self._waiting or not self._place(pending, now):
             self._waiting.append(pending)
 
@@ -126,21 +135,19 @@ class Simulation:
 
     def _place(self, pending: _Pending, t: float) -> bool:
         """Send a request to the best-ranked replica with a free slot, as Serve would, and
-        book it there as the router does."""
-        routing = pending.routing
-        states = self.index.states(routing, list(self.replicas), t, self.policy.uses_index)
-        credits = {
-            s.replica_id: min(s.held_blocks * routing.block_size, routing.usable_tokens)
-            for s in states
-        }
-        for rid in self.policy.rank(routing, states):
+        book it there as the Serve router does (the same core calls)."""
+        route, ids = pending.route, list(self.replicas)
+        answer = None
+        if self.core.policy.uses_index:
+            answer = self.index.query(route.block_hashes, ids, t)
+        decision = self.core.decide(route, self.core.states(ids, answer, route.block_hashes))
+        for rid in decision.ranking:
             replica = self.replicas[rid]
-            if replica.engine.scheduler.num_unfinished >= self.max_ongoing:
+            if replica.engine.num_unfinished >= self.max_ongoing:
                 continue
-            self.policy.on_routed(routing, rid)
+            self.index.book(self.core.routed(decision, rid), t)
+            self.core.acknowledged(route.request_id)
             req = pending.request
-            decode_blocks = -(-(len(pending.token_ids) + req.max_tokens) // routing.block_size)
-            self.index.book(routing, rid, credits[rid], decode_blocks, t)
             params = SamplingParams(max_tokens=req.max_tokens, ignore_eos=True)
             replica.engine.add_request(req.request_id, pending.token_ids, params, arrival_time=t)
             self._results[req.request_id].replica = rid
@@ -159,7 +166,8 @@ class Simulation:
         result = self._results[out.request_id]
         arrival = self._arrival[out.request_id]
         if out.request_id not in self._last_token:
-            self.index.bookings.prefill_done(out.request_id)
+            self.core.prefill_done(out.request_id)
+            self.index.prefill_done(out.request_id)
             result.ttft_s = t - arrival
             result.prompt_tokens = out.num_prompt_tokens
             result.cached_tokens = out.num_cached_tokens
@@ -168,6 +176,7 @@ class Simulation:
         self._last_token[out.request_id] = t
         result.completion_tokens = len(out.token_ids)
         if out.finished:
-            self.index.bookings.release(out.request_id)
+            self.core.release(out.request_id)
+            self.index.release(out.request_id)
             result.latency_s = t - arrival
         return out.finished

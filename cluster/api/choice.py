@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from cluster.api.textstream import TextStream
 from replica.checkpoints.tokenizer import IncrementalDetokenizer
-from replica.messages import EngineChunk, TokenLogprob
+from replica.messages import RequestOutput, TokenLogprob
 
 TokenLogprobs = list[tuple[int, TokenLogprob | None]]
 
@@ -33,15 +33,15 @@ class Choice:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def push(self, chunk: EngineChunk) -> tuple[str, TokenLogprobs]:
+    def push(self, chunk: RequestOutput) -> tuple[str, TokenLogprobs]:
         """Take a chunk of this choice; the text now safe to show and its tokens' logprobs."""
         if self.finished:
             return "", []
         if self.score_only:
             self.finish_reason = "length"
             return "", []
-        self.tokens += len(chunk.token_ids)
-        shown = chunk.token_ids
+        self.tokens += len(chunk.new_token_ids)
+        shown = chunk.new_token_ids
         if chunk.finished and shown and shown[-1] in self.stop_token_ids:
             shown = shown[:-1]
         piece = self.text.push(shown)
@@ -52,6 +52,6 @@ class Choice:
             self.finish_reason = "stop" if self.text.stopped else chunk.finish_reason
         entries: TokenLogprobs = []
         if chunk.logprobs is not None:
-            entries = list(zip(chunk.token_ids, chunk.logprobs, strict=True))
+            entries = list(zip(chunk.new_token_ids, chunk.logprobs, strict=True))
             self.logprobs += entries
         return piece, entries

@@ -17,7 +17,7 @@ from cluster.api.logprob_format import chat_logprobs, completion_logprobs
 from cluster.api.models import ChatCompletionRequest, CompletionRequest
 from cluster.engine_stream import EngineStream
 from replica.checkpoints.tokenizer import IncrementalDetokenizer, Tokenizer
-from replica.messages import EngineChunk
+from replica.messages import RequestOutput
 
 
 class Reply:
@@ -31,7 +31,7 @@ class Reply:
         body: CompletionRequest | ChatCompletionRequest,
         tokenizer: Tokenizer,
         prompt_ids: list[int],
-        first: EngineChunk,
+        first: RequestOutput,
     ) -> None:
         self.kind, self.model, self.request = kind, model, body
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -70,7 +70,7 @@ class Reply:
                 self._account()
                 return
 
-    async def _engine_chunks(self, stream: EngineStream) -> AsyncIterator[EngineChunk]:
+    async def _engine_chunks(self, stream: EngineStream) -> AsyncIterator[RequestOutput]:
         yield self._first
         async for chunk in stream.rest():
             yield chunk

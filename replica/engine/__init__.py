@@ -23,7 +23,7 @@ _PUBLIC = {
     "EngineConfig": "replica.config",
     "InvalidRequestError": "replica.messages",
     "ModelShape": "replica.model.shape",
-    "RequestOutput": "replica.engine.outputs",
+    "RequestOutput": "replica.messages",
     "SamplingParams": "replica.sampling.params",
 }
 __all__ = sorted(_PUBLIC)

@@ -31,7 +31,8 @@ def fork_choices(
             parent.cache_salt,
             parent.arrival_time,
         )
-        child.index, child.first_token_time = index, parent.first_token_time
+        child.index, child.parent_id = index, parent.request_id
+        child.first_token_time = parent.first_token_time
         child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
         child.num_computed_tokens = parent.num_prompt_tokens
         sample = sampler.sample_one(row, child)

@@ -12,30 +12,20 @@ from collections.abc import Callable
 
 import torch
 
-from replica.config import EngineConfig, ModelShape
+from replica.config import EngineConfig
 from replica.engine.audit import check_block_accounting
 from replica.engine.block_manager import BlockManager
 from replica.engine.choices import fork_choices
 from replica.engine.limits import check_request
-from replica.engine.outputs import RequestOutput, Runner
+from replica.engine.outputs import Runner
 from replica.engine.prefix_cache import CacheEvents
 from replica.engine.scheduler import ScheduledBatch, Scheduler
 from replica.engine.sequence import Sequence, SequenceStatus
 from replica.engine.stats import EngineMetrics, EngineStats
-from replica.messages import InvalidRequestError
+from replica.messages import InvalidRequestError, RequestOutput
 from replica.model.runner import ModelRunner
 from replica.sampling.params import SamplingParams
 from replica.sampling.sampler import Sample, Sampler, record_prompt_logprobs
-
-__all__ = [
-    "CacheEvents",
-    "Engine",
-    "EngineConfig",
-    "InvalidRequestError",
-    "ModelShape",
-    "RequestOutput",
-    "SamplingParams",
-]
 
 
 class Engine:
@@ -126,6 +116,11 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._seqs)
 
+    @property
+    def num_unfinished(self) -> int:
+        """Sequences waiting or running (a request with n choices counts n once forked)."""
+        return self.scheduler.num_unfinished
+
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return an output for every request that got a token."""
         batch = self.scheduler.schedule()
@@ -154,11 +149,11 @@ class Engine:
         ids = [f"generate-{batch_id}-{i}" for i in range(len(prompts))]
         for rid, prompt, p in zip(ids, prompts, params, strict=True):
             self.add_request(rid, prompt, p, cache_salt)
-        results: dict[str, RequestOutput] = {}
+        results: dict[tuple[str, int], RequestOutput] = {}
         wanted = sum(p.n for p in params)
         while len(results) < wanted:
-            results |= {out.request_id: out for out in self.step() if out.finished}
-        return [results[rid] for rid in ids]
+            results |= {(o.request_id, o.index): o for o in self.step() if o.finished}
+        return [results[rid, 0] for rid in ids]
 
     def generate_choices(
         self, prompt: abc.Sequence[int], params: SamplingParams
@@ -166,11 +161,10 @@ class Engine:
         """Run one prompt with ``params.n`` choices to completion; outputs by choice."""
         rid = f"choices-{next(self._ids)}"
         self.add_request(rid, prompt, params)
-        ids = [rid] + [f"{rid}#{i}" for i in range(1, params.n)]
-        results: dict[str, RequestOutput] = {}
-        while len(results) < len(ids):
-            results |= {out.request_id: out for out in self.step() if out.finished}
-        return [results[i] for i in ids]
+        results: dict[int, RequestOutput] = {}
+        while len(results) < params.n:
+            results |= {o.index: o for o in self.step() if o.finished and o.request_id == rid}
+        return [results[i] for i in range(params.n)]
 
     # -- cache events and introspection -----------------------------------------------------
 
@@ -262,7 +256,7 @@ class Engine:
             m.num_finished += 1
         prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
         return RequestOutput(
-            request_id=seq.request_id,
+            request_id=seq.parent_id,
             new_token_ids=[token],
             token_ids=seq.output_token_ids,
             finished=seq.is_finished,

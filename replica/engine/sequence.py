@@ -39,6 +39,7 @@ class Sequence:
     num_cached_prompt_tokens: int | None = None  # served from the cache at first admission
     num_cached_at_arrival: int = 0  # what the cache held of it on arrival (an estimate)
     index: int = 0  # which choice of its request (n > 1)
+    parent_id: str = ""  # the request's id (a choice i > 0 has its own, "<id>#i")
     prompt_logprobs: list[Any] | None = None  # collected chunk by chunk, when asked for
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -46,6 +47,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
+        self.parent_id = self.parent_id or self.request_id
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,56 @@
+"""The ingress's line to the request router Serve runs in the ingress's own process.
+
+Serve builds the request router itself (from an import path and keyword arguments) and runs
+its decisions on an event loop of its own thread, so the ingress cannot be handed a reference
+to it. The router attaches itself here when Serve makes it, and records its loop at its first
+decision; the ingress calls through the link. This is the one process-wide rendezvous: the
+router reaches it as ``link.LINK`` (Serve pickles the router's module by value, so a name
+imported into it would be a copy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol
+
+
+class LinkedRouter(Protocol):
+    """What the ingress may ask of its router."""
+
+    loop: asyncio.AbstractEventLoop | None  # where its decisions run (None before the first)
+
+    def prefill_done(self, request_id: str) -> None:
+        """A request's first token came (runs on the router's loop)."""
+
+    def reason(self, request_id: str) -> str | None:
+        """Why a recent request went where it did."""
+
+    def snapshot(self) -> dict[str, Any]:
+        """Routed counts, decision times, index counters, bookings, the replicas' stats."""
+
+
+class RouterLink:
+    def __init__(self) -> None:
+        self._router: LinkedRouter | None = None
+
+    def attach(self, router: LinkedRouter) -> None:
+        """The router Serve made (the latest one, if the handle was rebuilt)."""
+        self._router = router
+
+    def prefill_done(self, request_id: str) -> None:
+        """Handed to the router's loop: its bookings and Redis client belong to that loop."""
+        router = self._router
+        loop = router.loop if router is not None else None
+        if router is not None and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(router.prefill_done, request_id)
+
+    def reason(self, request_id: str) -> str | None:
+        router = self._router
+        return router.reason(request_id) if router is not None else None
+
+    def snapshot(self) -> dict[str, Any]:
+        router = self._router
+        return router.snapshot() if router is not None else {}
+
+
+LINK = RouterLink()
