@@ -20,9 +20,24 @@ ENGINE_TESTS = ["tests/test_block_manager.py", "tests/test_scheduler.py", "tests
 NEWEST = "victim = max([seq, *pending], key=lambda s: order[id(s)])"
 # (what the mutation breaks, file, text replaced, its replacement)
 MUTATIONS = [
-    ("lookup without the parent check", "replica/engine/prefix_cache.py", "and e.parent in level\n", "\n"),
-    ("preemption takes the oldest", "replica/engine/scheduler.py", NEWEST, NEWEST.replace("max", "min")),
-    ("preemption takes the one needing the block", "replica/engine/scheduler.py", NEWEST, "victim = seq"),
+    (
+        "lookup without the parent check",
+        "replica/engine/prefix_cache.py",
+        "and e.parent in level\n",
+        "\n",
+    ),
+    (
+        "preemption takes the oldest",
+        "replica/engine/scheduler.py",
+        NEWEST,
+        NEWEST.replace("max", "min"),
+    ),
+    (
+        "preemption takes the one needing the block",
+        "replica/engine/scheduler.py",
+        NEWEST,
+        "victim = seq",
+    ),
     (
         "cached blocks not available (preempt before evicting)",
         "replica/engine/block_allocator.py",
