@@ -142,8 +142,8 @@ return footprint
 # expired), its footprint (blocks held), and its booked prefill tokens, active requests and
 # decode blocks. Block-major: the chain is walked once, each block's holders read from its
 # own set, and the walk stops where no live replica continues, so a query costs the holders
-# of the prompt's matched blocks plus a few whole-hash reads, not a few calls per replica
-# (that grew to 43 ms of Redis time per query at 1,024 replicas).
+# of the prompt's matched blocks plus a few whole-hash reads, not a few calls per replica.
+
 # What QUERY answers for each live replica, after its id, in this order (the names of
 # ``kvindex.records.ReplicaState``'s fields; a test holds the two together).
 QUERY_FIELDS = (

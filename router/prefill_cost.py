@@ -1,6 +1,7 @@
 """``prefill_cost``, the default policy: one cost in prefill tokens, sticky per request.
 
-What the peers learned (``shared/notes/routing_peers.md``), in one rule set:
+What the peers learned (Dynamo's, llm-d's, Ray's and SGLang's routers; docs/decisions.md),
+in one rule set:
 
 * **Cost** (Dynamo's, in tokens): for each replica, the prompt tokens it would still have
   to prefill for this request (after the cache credit: what it holds, published or booked
@@ -17,10 +18,8 @@ What the peers learned (``shared/notes/routing_peers.md``), in one rule set:
   head with the others), it goes to the replica owning the fewest cached blocks among
   those within ``new_prefix_slack`` prefills of the cheapest, so tenants spread over
   disjoint caches, but never onto a busy replica (load here leaves out the credit for a
-  short held head). The default slack is 0 (the least loaded, footprint breaking ties): in
-  the simulator at 32 replicas (multi_tenant, 10,000 tenants) a slack of one prefill bought
-  no hit rate (0.184 against 0.193) and cost TTFT p50 0.55 s against 0.36 s, as new
-  tenants queued behind a busier replica with a smaller cache.
+  short held head). The default slack is 0: the least loaded, footprint breaking ties
+  (docs/decisions.md says why).
 * **Ties** break in rendezvous order of the prompt's affinity key: two ingress routers
   make the same choice for the same new prefix, and different prefixes spread.
 
@@ -101,7 +100,7 @@ class PrefillCost(RoutingPolicy):
         Cost here is load only: the credit for a held head below ``min_hit_fraction`` (a
         chat template's first blocks, which every replica soon holds) is left out, or with
         slack 0 the first replica to hold the template would win every new tenant while the
-        others sat idle (measured: 12 new system prompts on 2 idle replicas, all on one).
+        others sat idle.
         """
         slack = self.knobs.new_prefix_slack * request.num_prompt_tokens
         load = {r.replica_id: costs[r.replica_id] + cache_credit(request, r) for r in replicas}

@@ -2,8 +2,8 @@
 not answer in time.
 
 The Redis index knows what every replica holds and what every router just booked, but a
-router in a CPU-starved process can miss its answer (on 2 busy cores, 6 of ~170 queries per
-run expired even at a 250 ms timeout), and without it a request was placed blind. Ray's
+router in a CPU-starved process can miss its answer, and without it a request was placed
+blind (docs/decisions.md has the numbers). Ray's
 prefix router keeps only a local record of the text it routed and never waits; this keeps
 the same kind of record, by block hash, and is read only when the index answers
 "unknown". An entry is a guess (the replica may have evicted the block, another router's

@@ -43,9 +43,7 @@ from router.config import RayRouting, ServedPolicy, routing_config
 POLICIES = ("round_robin", "prefill_cost", "cache_aware", "ray_default", "ray_prefix")
 
 
-def our_routing(
-    policy: str, epsilon: float, knobs: dict[str, Any]
-) -> ServedPolicy | RayRouting:
+def our_routing(policy: str, epsilon: float, knobs: dict[str, Any]) -> ServedPolicy | RayRouting:
     """The routing section for a policy: ``epsilon`` where the policy has one, ``knobs``
     (the section's own fields) on top; Ray's default router timed like ours."""
     fields: dict[str, Any] = {"policy": policy}

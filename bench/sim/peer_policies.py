@@ -1,8 +1,9 @@
 """The peers' placement rules, as policies of our simulator (same traces, any scale).
 
-Models of what their code does by default (``shared/notes/routing_peers.md`` has the file
-paths), at our block granularity where they match text: a replica "holds" what was routed
-to it (their trees are filled at routing time, from prompts), not what its cache holds.
+Models of what their code does by default (Ray's ``prefix_aware_router.py``, SGLang's
+``cache_aware.rs``, Dynamo's KV router), at our block granularity where they match text: a
+replica "holds" what was routed to it (their trees are filled at routing time, from prompts),
+not what its cache holds.
 
 * ``ray_prefix_sim``: Ray Serve's ``PrefixCacheAffinityRouter``. A match covering at least
   ``match_rate_threshold`` of the prompt goes to the least loaded of the best-matching

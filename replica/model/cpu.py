@@ -1,6 +1,6 @@
 """What this CPU computes fast: ``dtype: auto`` serves bfloat16 where matrix products in it
-are native (AMX or AVX-512 BF16: 14x float32's throughput for SmolLM2's matrices on this
-project's Sapphire Rapids machines), float32 elsewhere (emulated bfloat16 is slow)."""
+are native (AMX or AVX-512 BF16), float32 elsewhere (emulated bfloat16 is slow). The
+measured ratio on this project's machines is in docs/decisions.md."""
 
 from __future__ import annotations
 

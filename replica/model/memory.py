@@ -2,9 +2,8 @@
 
 glibc serves allocations above its mmap threshold (128 KiB, raised dynamically up to
 32 MiB) with fresh ``mmap`` pages, and returns freed heap tops to the OS. An engine step
-allocates and frees the same large tensors (gathered KV, activations) every layer, so every
-step faulted those pages in again: with SmolLM2 at batch 32 this made a decode step 2.4x
-slower (380 ms against 157 ms) than with the thresholds raised. Raising them once per process
+allocates and frees the same large activations every layer, so every step faulted those
+pages in again (docs/decisions.md has the cost). Raising them once per process
 (what ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` do, and why vLLM's CPU build
 preloads tcmalloc) keeps that memory in the heap for reuse. Elsewhere than glibc: no-op.
 """
