@@ -95,5 +95,11 @@ class EngineStream:
         """The request again, carrying what the client already has."""
         delivered = list(self._delivered)
         chain = self._rehash(self.request.prompt_token_ids + delivered, self.request.cache_salt)
-        route = replace(self.request.route, block_hashes=chain)
+        # the replica computes the delivered tokens like the prompt: the router books them so
+        route = replace(
+            self.request.route,
+            block_hashes=chain,
+            num_prompt_tokens=len(self.request.prompt_token_ids) + len(delivered),
+            max_tokens=self.request.route.max_tokens - len(delivered),
+        )
         return replace(self.request, output_token_ids=delivered, route=route)

@@ -106,6 +106,10 @@ def test_a_replica_dying_mid_stream_is_continued_from_what_the_client_has() -> N
     assert continuation.output_token_ids == [7, 8]
     # hashed again over prompt + delivered tokens, so the router finds them where cached
     assert continuation.route.block_hashes == HASHER.chain([*PROMPT, 7, 8])
+    # what the router books: the delivered tokens are computed like the prompt, and the
+    # request still holds at most the blocks of its prompt and max_tokens
+    assert continuation.route.num_prompt_tokens == len(PROMPT) + 2
+    assert continuation.route.decode_blocks == stream.request.route.decode_blocks
     assert len(continuation.route.block_hashes) == 3 and stream.resumes == 1
 
 
