@@ -19,6 +19,7 @@ from replica.model import kernels
 from replica.model.attention import (
     KVCache,
     build_metadata,
+    kernel_attention,
     reference_attention,
     reference_write_kv,
 )
@@ -49,18 +50,7 @@ def tables_for(spans: list[tuple[int, int]], block_size: int, seed: int = 0) -> 
 
 
 def attend(q, cache, layer, meta, vector: bool = True) -> torch.Tensor:
-    return ops.paged_attention(
-        q,
-        cache.data,
-        layer,
-        meta.block_tables,
-        meta.query_seq,
-        meta.query_ctx,
-        meta.tile_starts,
-        meta.tile_rows,
-        DIM**-0.5,
-        vector,
-    )
+    return kernel_attention(q, cache, layer, meta, DIM**-0.5, vector)
 
 
 MIXED_STEP = [(0, 40), (30, 1), (20, 10), (47, 1), (16, 1)]  # (first position, tokens)

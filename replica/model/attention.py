@@ -116,21 +116,33 @@ def paged_attention(
     """
     scale = q.shape[-1] ** -0.5
     if meta.use_kernel:
-        ops = torch.ops.prefix_serve
-        ops.write_kv(cache.data, layer, k, v, meta.slot_mapping)
-        return ops.paged_attention(
-            q,
-            cache.data,
-            layer,
-            meta.block_tables,
-            meta.query_seq,
-            meta.query_ctx,
-            meta.tile_starts,
-            meta.tile_rows,
-            scale,
-        )
+        torch.ops.prefix_serve.write_kv(cache.data, layer, k, v, meta.slot_mapping)
+        return kernel_attention(q, cache, layer, meta, scale)
     reference_write_kv(cache, layer, k, v, meta.slot_mapping)
     return reference_attention(q, cache, layer, meta, scale)
+
+
+def kernel_attention(
+    q: torch.Tensor,
+    cache: KVCache,
+    layer: int,
+    meta: AttentionMetadata,
+    scale: float,
+    vector: bool = True,
+) -> torch.Tensor:
+    """The C++ kernel's attention (``vector=False``: its portable path, for the tests)."""
+    return torch.ops.prefix_serve.paged_attention(
+        q,
+        cache.data,
+        layer,
+        meta.block_tables,
+        meta.query_seq,
+        meta.query_ctx,
+        meta.tile_starts,
+        meta.tile_rows,
+        scale,
+        vector,
+    )
 
 
 def reference_write_kv(
