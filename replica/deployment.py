@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import logging
 import math
 import os
@@ -87,16 +88,15 @@ class EngineReplica:
             raise EngineFailedError("the engine loop failed") from self._failure
         loop = asyncio.get_running_loop()
         rid = request.request_id
-        await loop.run_in_executor(
-            self._executor,
+        add = functools.partial(
             self.engine.add_request,
             rid,
             request.prompt_token_ids,
             request.params,
-            request.cache_salt,
-            None,
-            request.output_token_ids,
+            cache_salt=request.cache_salt,
+            output_token_ids=request.output_token_ids,
         )
+        await loop.run_in_executor(self._executor, add)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[rid] = queue
         assert self._wakeup is not None
@@ -189,9 +189,7 @@ class EngineReplica:
     def _audit(self) -> None:
         """Check the block accounting whenever the engine falls idle (on its thread)."""
         try:
-            self.engine.check_invariants()
-            if self.engine.block_manager.allocator.num_in_use:
-                raise AssertionError("blocks still in use with no request left")
+            self.engine.check_invariants(idle=True)
         except AssertionError as exc:
             log.error("block accounting broken on replica %s: %s", self.replica_id, exc)
             self._audit_error = str(exc) or "invariant violated"

@@ -204,28 +204,6 @@ def test_cached_blocks_are_evicted_before_anyone_is_preempted() -> None:
     assert allocator.eviction_order() == [4] and cache.num_evictions == 2
 
 
-def test_queued_prefill_tokens_count_what_is_left_to_prefill() -> None:
-    """The engine's ``queued_prefill_tokens`` (a routing stat and gauge): the rest of every
-    prompt being chunked, plus each waiting prompt less what the cache held when it arrived.
-    Decoding requests owe no prefill."""
-    s = scheduler(num_blocks=16, budget=8)
-    bm = s.block_manager
-    d = seq("d", [1, 2, 3], max_tokens=8)
-    s.add(d)
-    step(s)  # d now decodes
-    a = seq("a", list(range(20)))
-    s.add(a)
-    step(s)  # d's decode, then 7 of a's 20 prompt tokens
-    assert a.num_computed_tokens == 7
-    b = seq("b", [*range(4), 50, 51])  # shares a's first block, published already
-    b.num_cached_at_arrival = bm.cached_prefix_tokens(b)  # as the engine does on arrival
-    assert b.num_cached_at_arrival == 4
-    s.add(b)
-    assert s.queued_prefill_tokens() == (20 - 7) + (6 - 4)
-    off = BlockManager(16, BS, BlockHasher(BS, "test-model"), enable_prefix_cache=False)
-    assert off.cached_prefix_tokens(seq("c", list(range(9)))) == 0
-
-
 def test_a_batch_asks_for_logits_only_where_it_samples_or_scores_the_prompt() -> None:
     """``logit_rows``: the model computes logits only for the rows a step uses: the row
     it samples from, or every prompt row of a request asking for prompt logprobs (and

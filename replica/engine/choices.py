@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from replica.engine.scheduler import Scheduler
-from replica.engine.sequence import Sequence, SequenceStatus
+from replica.engine.sequence import Sequence
 from replica.sampling.sampler import Sample, Sampler
 
 
@@ -37,8 +37,7 @@ def fork_choices(
         child.num_computed_tokens = parent.num_prompt_tokens
         sample = sampler.sample_one(row, child)
         if scheduler.block_manager.fork(parent, child):
-            child.status = SequenceStatus.RUNNING
-            scheduler.running.append(child)
+            scheduler.add_running(child)
         else:
             child.num_computed_tokens = 0
             scheduler.add(child)

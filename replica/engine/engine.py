@@ -56,7 +56,6 @@ class Engine:
         self.runner = runner if runner is not None else ModelRunner(config)
         self.clock = clock
         self._eos_token_ids = frozenset(config.shape.eos_token_ids)
-        self._queued_prefill_tokens = 0
         self.sampler = Sampler(config.seed, config.shape.eos_token_ids)
         self.metrics = EngineMetrics()
         self._seqs: dict[str, Sequence] = {}
@@ -94,10 +93,8 @@ class Engine:
             self.clock() if arrival_time is None else arrival_time,
         )
         seq.num_prompt_tokens = len(tokens)
-        seq.num_cached_at_arrival = self.block_manager.cached_prefix_tokens(seq)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
-        self._queued_prefill_tokens += seq.num_tokens - seq.num_cached_at_arrival
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a queued or running request (all its choices) and free its blocks. False if
@@ -110,7 +107,6 @@ class Engine:
         self.scheduler.remove(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         self.metrics.num_aborted += 1
-        self._queued_prefill_tokens = self.scheduler.queued_prefill_tokens()
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -129,7 +125,6 @@ class Engine:
         if batch:
             outputs = self._finish_step(batch, self.runner.execute(batch))
             self.metrics.steps += 1
-        self._queued_prefill_tokens = self.scheduler.queued_prefill_tokens()
         self._emit_events()
         return outputs
 
@@ -188,14 +183,17 @@ class Engine:
         """Counters and block accounting; with ``latencies``, also TTFT and ITL percentiles
         (sorting up to 100k samples: leave them out where a snapshot is taken often)."""
         return EngineStats.collect(
-            self.metrics, self.scheduler, self._queued_prefill_tokens, latencies
+            self.metrics, self.scheduler, latencies
         )
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, idle: bool = False) -> None:
         """Raise ``AssertionError`` unless the block accounting adds up (see
-        ``replica.engine.audit``). Tests call this after every step; replicas whenever idle."""
+        ``replica.engine.audit``); with ``idle`` (no request left), also unless no block is
+        in use. Tests call this after every step; replicas whenever idle."""
         sched = self.scheduler
         check_block_accounting(self.block_manager, sched.running, sched.waiting)
+        if idle and self.block_manager.allocator.num_in_use:
+            raise AssertionError("blocks still in use with no request left")
 
     # -- internals --------------------------------------------------------------------------
 

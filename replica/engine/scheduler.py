@@ -106,6 +106,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence that already holds its blocks (a forked choice) joins the running."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the queues (finished or aborted) and free its blocks."""
         if seq in self.running:
@@ -123,15 +128,6 @@ class Scheduler:
         self.reserve_ratio = max(_RATIO_MIN, self.reserve_ratio - _RATIO_DECAY)
         self._admit_waiting(batch, budget)
         return batch
-
-    def queued_prefill_tokens(self) -> int:
-        """Prompt tokens still to compute: the rest of prompts being chunked, and the
-        uncached part of waiting prompts (estimated when they arrived)."""
-        running = sum(
-            s.num_tokens - s.num_computed_tokens for s in self.running if not _decoding(s)
-        )
-        waiting = sum(s.num_tokens - s.num_cached_at_arrival for s in self.waiting)
-        return running + waiting
 
     def reserve_blocks(self) -> int:
         """Blocks kept free for the running requests' next tokens (``reserve_ratio`` of the

@@ -37,7 +37,6 @@ class Sequence:
     num_computed_tokens: int = 0
     num_published_blocks: int = 0
     num_cached_prompt_tokens: int | None = None  # served from the cache at first admission
-    num_cached_at_arrival: int = 0  # what the cache held of it on arrival (an estimate)
     index: int = 0  # which choice of its request (n > 1)
     parent_id: str = ""  # the request's id (a choice i > 0 has its own, "<id>#i")
     prompt_logprobs: list[Any] | None = None  # collected chunk by chunk, when asked for

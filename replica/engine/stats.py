@@ -50,7 +50,6 @@ class EngineStats:
 
     num_running: int
     num_waiting: int
-    queued_prefill_tokens: int  # prompt tokens still to compute (running chunks + waiting)
     num_finished: int
     num_aborted: int
     prompt_tokens: int
@@ -75,7 +74,7 @@ class EngineStats:
 
     @classmethod
     def collect(
-        cls, m: EngineMetrics, scheduler: Scheduler, queued_prefill_tokens: int, latencies: bool
+        cls, m: EngineMetrics, scheduler: Scheduler, latencies: bool
     ) -> EngineStats:
         """A snapshot of an engine's counters, queues and blocks; latency percentiles only
         with ``latencies`` (sorting up to 100k samples: leave them out where this runs
@@ -85,7 +84,6 @@ class EngineStats:
         return cls(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
-            queued_prefill_tokens=queued_prefill_tokens,
             num_finished=m.num_finished,
             num_aborted=m.num_aborted,
             prompt_tokens=m.prompt_tokens,
