@@ -182,9 +182,7 @@ class Engine:
     def stats(self, latencies: bool = True) -> EngineStats:
         """Counters and block accounting; with ``latencies``, also TTFT and ITL percentiles
         (sorting up to 100k samples: leave them out where a snapshot is taken often)."""
-        return EngineStats.collect(
-            self.metrics, self.scheduler, latencies
-        )
+        return EngineStats.collect(self.metrics, self.scheduler, latencies)
 
     def check_invariants(self, idle: bool = False) -> None:
         """Raise ``AssertionError`` unless the block accounting adds up (see

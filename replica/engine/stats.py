@@ -73,9 +73,7 @@ class EngineStats:
         return asdict(self)
 
     @classmethod
-    def collect(
-        cls, m: EngineMetrics, scheduler: Scheduler, latencies: bool
-    ) -> EngineStats:
+    def collect(cls, m: EngineMetrics, scheduler: Scheduler, latencies: bool) -> EngineStats:
         """A snapshot of an engine's counters, queues and blocks; latency percentiles only
         with ``latencies`` (sorting up to 100k samples: leave them out where this runs
         often, e.g. every heartbeat)."""
