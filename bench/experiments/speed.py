@@ -14,7 +14,9 @@ reports the median over repeats and the spread (min and max); a ratio between tw
 is taken repeat by repeat (each pair ran back to back) and reported the same way.
 
 Peers: ``ours`` (the engine as deployed: ``deterministic: true``), ``ours-nondet``
-(``deterministic: false``: what invariance costs), ``transformers``, ``vllm``.
+(``deterministic: false``: what invariance costs), ``transformers``, ``vllm``, and
+``rev:<git revision>`` (this project's engine as it was then, from a worktree of that
+revision, in a process of its own).
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ from bench.assistant_prompts import (
 from bench.peers.engines import (
     DEFAULT_VLLM_VENV,
     TransformersPeer,
-    VllmSession,
+    WorkerSession,
     ensure_hf_folder,
     ensure_vllm_venv,
+    revision_session,
+    vllm_session,
 )
 from bench.workloads import TraceRequest
 from replica.checkpoints import SMOLLM2, checkpoint_for
@@ -66,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--decode-tokens", type=int, default=64, help="N: tokens per request")
     parser.add_argument("--repeats", type=int, default=4, help="per engine and job (ABBA)")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=512, help="our engines' step budget"
+    )
     parser.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV)
 
 
@@ -196,7 +203,7 @@ class VllmPeer:
             "max_num_seqs": max(batches),
         }
         log = Path("results") / "speed-vllm.log"
-        self.session = VllmSession(ensure_vllm_venv(args.vllm_venv), spec, log)
+        self.session = vllm_session(ensure_vllm_venv(args.vllm_venv), spec, log)
         self.time([warm], 4)
 
     def time(self, prompts: list[list[int]], max_tokens: int) -> float:
@@ -205,6 +212,25 @@ class VllmPeer:
 
     def close(self) -> None:
         self.session.close()
+
+
+class RevisionPeer(VllmPeer):
+    """This project's engine at an older revision, in a process of its own."""
+
+    def __init__(
+        self, rev: str, args: argparse.Namespace, warm: list[int], batches: list[int]
+    ) -> None:
+        spec = {
+            "model": args.model,
+            "dtype": args.dtype,
+            "threads": args.threads,
+            "num_blocks": 2048,
+            "max_num_seqs": max(batches),
+            "engine": {"max_num_batched_tokens": args.max_num_batched_tokens},
+        }
+        log = Path("results") / f"speed-rev-{rev}.log"
+        self.session: WorkerSession = revision_session(rev, spec, log)
+        self.time([warm], 4)
 
 
 def _start(
@@ -219,6 +245,7 @@ def _start(
             num_threads=args.threads,
             num_blocks=2048,
             max_num_seqs=max(batches),
+            max_num_batched_tokens=args.max_num_batched_tokens,
             deterministic=deterministic,
         )
         return lambda: EnginePeer(config, warm)
@@ -231,6 +258,8 @@ def _start(
         ),
         "vllm": lambda: VllmPeer(args, warm, batches),
     }
+    if name.startswith("rev:"):
+        return RevisionPeer(name.removeprefix("rev:"), args, warm, batches)
     if name not in starts:
-        raise SystemExit(f"unknown peer {name!r}: choose from {', '.join(PEERS)}")
+        raise SystemExit(f"unknown peer {name!r}: choose from {', '.join(PEERS)}, rev:<git rev>")
     return starts[name]()

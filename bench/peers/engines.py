@@ -81,17 +81,31 @@ def run_vllm(python: Path, spec: dict[str, Any], timeout_s: float = 3600) -> dic
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-class VllmSession:
-    """``vllm_peer.py`` kept running with its model loaded, answering one job at a time (so a
-    benchmark can alternate it with other engines). Its log goes to ``log_path``."""
+class WorkerSession:
+    """A worker script in another interpreter (vLLM's virtualenv, or this interpreter over an
+    older tree of this project) kept running with its model loaded, answering one JSON job
+    per line (so a benchmark can alternate engines). Its log goes to ``log_path``."""
 
-    def __init__(self, python: Path, spec: dict[str, Any], log_path: Path) -> None:
+    def __init__(
+        self,
+        python: Path,
+        script: Path,
+        spec: dict[str, Any],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self._spec = Path(tempfile.mkstemp(suffix=".json")[1])
         self._spec.write_text(json.dumps({**spec, "serve": True}))
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(spec["threads"])}
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": str(spec["threads"]),
+            **(env or {}),
+        }
+        log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "a")  # noqa: SIM115 (open as long as the session)
         self._proc = subprocess.Popen(
-            [str(python), str(Path(__file__).with_name("vllm_worker.py")), str(self._spec)],
+            [str(python), str(script), str(self._spec)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -107,11 +121,13 @@ class VllmSession:
         return self._read()
 
     def _read(self) -> dict[str, Any]:
+        """The next JSON line (whatever else a library prints to stdout goes to the log)."""
         assert self._proc.stdout is not None
-        line = self._proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"vLLM exited (code {self._proc.wait()}); see {self._log.name}")
-        return json.loads(line)
+        while line := self._proc.stdout.readline():
+            if line.startswith("{"):
+                return json.loads(line)
+            self._log.write(line)
+        raise RuntimeError(f"worker exited (code {self._proc.wait()}); see {self._log.name}")
 
     def close(self) -> None:
         if self._proc.stdin is not None:
@@ -122,6 +138,36 @@ class VllmSession:
             self._proc.kill()
         self._log.close()
         self._spec.unlink(missing_ok=True)
+
+
+def vllm_session(python: Path, spec: dict[str, Any], log_path: Path) -> WorkerSession:
+    """vLLM's worker (``vllm_worker.py``) in its virtualenv."""
+    return WorkerSession(python, Path(__file__).with_name("vllm_worker.py"), spec, log_path)
+
+
+def revision_tree(rev: str, root: Path = REPO / "results" / "trees") -> Path:
+    """A checkout of this project at ``rev`` (a git worktree, made once), to run an older
+    engine beside today's."""
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short=12", rev], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    if not commit:
+        raise SystemExit(f"unknown revision {rev!r}")
+    tree = root / commit
+    if not tree.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(tree), commit], cwd=REPO, check=True
+        )
+    return tree
+
+
+def revision_session(rev: str, spec: dict[str, Any], log_path: Path) -> WorkerSession:
+    """This project's engine as it was at ``rev``, in this interpreter, its tree first on the
+    path (``engine_worker.py``)."""
+    tree = revision_tree(rev)
+    script = Path(__file__).with_name("engine_worker.py")
+    return WorkerSession(Path(sys.executable), script, spec, log_path, {"PYTHONPATH": str(tree)})
 
 
 class TransformersPeer:

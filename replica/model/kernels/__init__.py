@@ -38,7 +38,7 @@ FLAGS = (
     "-ffp-contract=off",
     "-fno-math-errno",
     "-fopenmp",
-    "-std=c++17",
+    "-std=c++20",
     "-shared",
     "-fPIC",
     "-DNDEBUG",

@@ -2,26 +2,30 @@
 //
 // Invariance is the point of this file: the output of one query depends only on that query,
 // its keys and values, and nothing else in the step. Every query walks its keys in the same
-// order, in units of up to 16 keys aligned to position 0, and folds each unit into an online
-// softmax held in float32 (float64 for a float64 model) with one fixed arithmetic (the
-// "spec" below), whether it is one decode among 32, one row of a 1,000-token prefill chunk, or
-// a decode whose first blocks another request computed. Queries are grouped into tiles, and
-// within a tile the queries that read the same block are computed together, only so that a
-// block is read while it is in cache: grouping changes what runs together, never what a query
-// computes.
+// order, in units of up to 16 keys aligned to position 0, with one fixed arithmetic (the
+// "spec" below) in float32 (float64 for a float64 model), whether it is one decode among 32,
+// one row of a 1,000-token prefill chunk, or a decode whose first blocks another request
+// computed. Queries are grouped into tiles, and within a tile the queries that read the same
+// block are computed together, only so that a block is read while it is in cache: grouping
+// changes what runs together, never what a query computes.
 //
-// The spec, per query head and unit of n keys (lanes l < n of 16). P is the pack: 2 for
-// bfloat16 (pairs, as AVX-512 BF16's dot product takes them), 1 otherwise.
-//   s_l = 0; for i = 0..D/P-1, e = P-1..0: s_l = fma(q[Pi+e], k_l[Pi+e], s_l); s_l *= scale
-//   m' = max(m, max_l s_l); if m' != m: a = E(m - m'), sum *= a, o *= a, m = m'
-//   p_l = E(s_l - m') (0 for l >= n); sum += tree16(p); w_l = p_l rounded to the model dtype
-//   for j = 0..ceil(n/P)-1, e = P-1..0: o_d = fma(w[Pj+e], v[Pj+e]_d, o_d)
-//   out_d = o_d / sum at the end
+// The spec, per query head, over its units u of n_u keys (lanes l < 16; P is the pack: 2 for
+// bfloat16, as AVX-512 BF16's dot product takes pairs, 1 otherwise):
+//   pass 1, for each u: s_ul = 0; for i = 0..D/P-1, e = P-1..0: s_ul = fma(q[Pi+e], k_ul[Pi+e],
+//           s_ul); s_ul *= scale (-inf for l >= n_u); vmax_l = max(vmax_l, s_ul)
+//   m = max_l vmax_l
+//   pass 2, for each u: p_ul = E(s_ul - m) (0 for l >= n_u); vsum_l += p_ul;
+//           w_ul = p_ul rounded to the model's dtype;
+//           for j = 0..ceil(n_u/P)-1, e = P-1..0: o_d = fma(w_u[Pj+e], v_u[Pj+e]_d, o_d)
+//   out_d = o_d / tree16(vsum)
 // where E is the polynomial exp below and tree16 adds lanes (l, l+8), (l, l+4), (l, l+2),
-// (0, 1). Two implementations follow the spec: a portable one and an AVX-512 one for
-// 16-token blocks; they agree bit for bit (a test compares them), so the portable one is
-// also the vector one's reference. AVX-512 BF16's VDPBF16PS is exactly the spec's pair step
-// (odd element first, each product exact, each add rounded), which a test also checks.
+// (0, 1). Two passes, not an online softmax: the maximum is known before any exponential,
+// so nothing is ever rescaled, and per key the work is a dot product, an exponential and an
+// axpy. Two implementations follow the spec: a portable one and an AVX-512 one for 16-token
+// blocks; they agree bit for bit (a test compares them), so the portable one is also the
+// vector one's reference. AVX-512 BF16's VDPBF16PS is exactly the spec's pair step (odd
+// element first, each product exact, each add rounded, subnormals flushed), which a test
+// also checks.
 //
 // Bit-exactness needs the compiler's help: the build uses -ffp-contract=off and every fused
 // multiply-add is written as one (std::fma or an fmadd intrinsic), so no compiler-chosen
@@ -138,20 +142,23 @@ struct Geometry {
   int64_t head_stride;   // elements from one KV head to the next
 };
 
-// Online-softmax state of one query's heads for one KV head (G heads).
+// One query's heads for one KV head (G heads): its scores, per-lane maxima and sums, output.
 template <typename T> struct QueryState {
   using A = typename Traits<T>::Acc;
-  const T* q;  // [G] rows of head_dim, in the model's dtype
-  int64_t q_head;
-  A* o;        // [G][D]
-  A* max;      // [G]
-  A* sum;      // [G]
+  const T* q;      // [G] rows of head_dim, in the model's dtype
+  int64_t q_head;  // elements from one head's row to the next
+  A* o;            // [G][D]
+  A* scores;       // [G][units * 16]
+  int64_t units;   // units this query reaches
+  A* vmax;         // [G][16], then the maximum of each head in [G][0]
+  A* vsum;         // [G][16]
 };
 
 // ---- the portable implementation (the spec, query by query) ----
 
 template <typename T, typename A = typename Traits<T>::Acc>
-void scores_portable(const T* q, const T* k, int64_t n, const Geometry& g, A scale, A* s) {
+void scores_portable(const T* q, const T* k, int64_t n, const Geometry& g, A scale, A* s,
+                     A* vmax) {
   constexpr int P = Traits<T>::pack;
   for (int l = 0; l < kLanes; ++l) s[l] = 0;
   for (int64_t i = 0; i < g.head_dim / P; ++i) {
@@ -163,42 +170,42 @@ void scores_portable(const T* q, const T* k, int64_t n, const Geometry& g, A sca
   }
   for (int l = 0; l < kLanes; ++l) {
     s[l] = l < n ? s[l] * scale : -std::numeric_limits<A>::infinity();
+    vmax[l] = s[l] > vmax[l] ? s[l] : vmax[l];
   }
 }
 
 template <typename T, typename A = typename Traits<T>::Acc>
-void fold_portable(A* s, const T* v, int64_t n, int64_t dim, A& max, A& sum, A* o) {
+void values_portable(const A* s, A m, const T* v, int64_t n, int64_t dim, A* vsum, A* o) {
   constexpr int P = Traits<T>::pack;
-  A unit_max = -std::numeric_limits<A>::infinity();
-  for (int l = 0; l < kLanes; ++l) unit_max = s[l] > unit_max ? s[l] : unit_max;
-  const A new_max = unit_max > max ? unit_max : max;
-  if (new_max != max) {
-    const A a = exp_spec(max - new_max);
-    sum = sum * a;
-    for (int64_t d = 0; d < dim; ++d) o[d] = o[d] * a;
-    max = new_max;
+  A w[kLanes];
+  for (int l = 0; l < kLanes; ++l) {
+    const A p = l < n ? exp_spec(s[l] - m) : A(0);
+    vsum[l] = vsum[l] + p;
+    w[l] = to_weight(p, v);
   }
-  for (int l = 0; l < kLanes; ++l) s[l] = l < n ? exp_spec(s[l] - new_max) : A(0);
-  sum = sum + tree16(s);
-  for (int l = 0; l < kLanes; ++l) s[l] = to_weight(s[l], v);
   for (int64_t j = 0; j < (n + P - 1) / P; ++j) {
     const T* vj = v + j * dim * P;
     for (int e = P - 1; e >= 0; --e) {
-      const A w = s[j * P + e];
-      for (int64_t d = 0; d < dim; ++d) o[d] = Traits<T>::mac(w, widen(vj[d * P + e]), o[d]);
+      const A wj = w[j * P + e];
+      for (int64_t d = 0; d < dim; ++d) o[d] = Traits<T>::mac(wj, widen(vj[d * P + e]), o[d]);
     }
   }
 }
 
+// Pass 1 (``values`` false) or pass 2 of unit ``u`` for several queries, query by query.
 template <typename T>
 void unit_portable(QueryState<T>* states, const int64_t* n, int count, const T* k, const T* v,
-                   typename Traits<T>::Acc scale, const Geometry& g) {
-  typename Traits<T>::Acc s[kLanes];
+                   int64_t u, bool values, typename Traits<T>::Acc scale, const Geometry& g) {
   for (int i = 0; i < count; ++i) {
     QueryState<T>& st = states[i];
     for (int64_t h = 0; h < g.group; ++h) {
-      scores_portable<T>(st.q + h * st.q_head, k, n[i], g, scale, s);
-      fold_portable<T>(s, v, n[i], g.head_dim, st.max[h], st.sum[h], st.o + h * g.head_dim);
+      auto* s = st.scores + (h * st.units + u) * kLanes;
+      if (!values) {
+        scores_portable<T>(st.q + h * st.q_head, k, n[i], g, scale, s, st.vmax + h * kLanes);
+      } else {
+        values_portable<T>(s, st.vmax[h * kLanes], v, n[i], g.head_dim, st.vsum + h * kLanes,
+                           st.o + h * g.head_dim);
+      }
     }
   }
 }
@@ -248,8 +255,12 @@ template <> struct Vec<float> {
   using Weights = float;
   static void weights(__m512 p, float* w) { _mm512_storeu_ps(w, p); }
   // o += w_j . v_j for the key(s) of step j, over 16 dimensions at c
-  static __m512 pv(__m512 o, const float* w, int64_t j, const float* v, int64_t dim, int64_t c) {
-    return _mm512_fmadd_ps(_mm512_set1_ps(w[j]), _mm512_loadu_ps(v + j * dim + c), o);
+  static __m512i value_row(const float* v, int64_t j, int64_t dim, int64_t c) {
+    return _mm512_castps_si512(_mm512_loadu_ps(v + j * dim + c));
+  }
+  static __m512 weight(const float* w, int64_t j) { return _mm512_set1_ps(w[j]); }
+  static __m512 pv(__m512 o, __m512 w, __m512i row) {
+    return _mm512_fmadd_ps(w, _mm512_castsi512_ps(row), o);
   }
   static constexpr int64_t pv_steps(int64_t n) { return n; }
 };
@@ -264,17 +275,20 @@ template <> struct Vec<c10::BFloat16> {
   }
   static __m512 qk(__m512 acc, const c10::BFloat16* q, int64_t i, const c10::BFloat16* k) {
     const __m512i keys = _mm512_loadu_si512(k + i * kLanes * 2);
-    return _mm512_dpbf16_ps(acc, (__m512bh)pair(q + 2 * i), (__m512bh)keys);
+    // the broadcast pair last: it is the operand the instruction can take from memory
+    return _mm512_dpbf16_ps(acc, (__m512bh)keys, (__m512bh)pair(q + 2 * i));
   }
   static constexpr int64_t qk_steps(int64_t dim) { return dim / 2; }
   using Weights = c10::BFloat16;
   static void weights(__m512 p, c10::BFloat16* w) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(w), (__m256i)_mm512_cvtneps_pbh(p));
   }
-  static __m512 pv(__m512 o, const c10::BFloat16* w, int64_t j, const c10::BFloat16* v,
-                   int64_t dim, int64_t c) {
-    const __m512i values = _mm512_loadu_si512(v + (j * dim + c) * 2);
-    return _mm512_dpbf16_ps(o, (__m512bh)pair(w + 2 * j), (__m512bh)values);
+  static __m512i value_row(const c10::BFloat16* v, int64_t j, int64_t dim, int64_t c) {
+    return _mm512_loadu_si512(v + (j * dim + c) * 2);  // 16 dimensions of 2 keys
+  }
+  static __m512 weight(const c10::BFloat16* w, int64_t j) { return pair(w + 2 * j); }
+  static __m512 pv(__m512 o, __m512 w, __m512i row) {
+    return _mm512_dpbf16_ps(o, (__m512bh)row, (__m512bh)w);
   }
   static constexpr int64_t pv_steps(int64_t n) { return (n + 1) / 2; }
 };
@@ -283,77 +297,137 @@ template <> struct Vec<c10::BFloat16> { static constexpr bool enabled = false; }
 #endif
 template <> struct Vec<double> { static constexpr bool enabled = false; };
 
-// One 16-token block for H query heads (queries x group heads), all reading the same keys
-// and values: each K row and V row is loaded once for all of them. H is a compile-time
-// constant so that the accumulators stay in registers.
+// Pass 1 of one 16-token block for H query heads (queries x group heads), all reading the
+// same keys: each K row is loaded once for all of them. H is a compile-time constant so that
+// the accumulators stay in registers.
 template <typename T, int H>
-void unit_avx512(QueryState<T>* states, const int64_t* n, const T* k, const T* v, float scale,
-                 const Geometry& g) {
+void scores_avx512(QueryState<T>* states, const int64_t* n, const T* k, int64_t u, float scale,
+                   const Geometry& g) {
   using V = Vec<T>;
   const int64_t G = g.group, D = g.head_dim;
   const T* q[H];
-  float* o_of[H];
-  int64_t n_of[H];
-  for (int x = 0; x < H; ++x) {
-    q[x] = states[x / G].q + (x % G) * states[x / G].q_head;
-    o_of[x] = states[x / G].o + (x % G) * D;
-    n_of[x] = n[x / G];
-  }
+  for (int x = 0; x < H; ++x) q[x] = states[x / G].q + (x % G) * states[x / G].q_head;
   __m512 acc[H];
   for (int x = 0; x < H; ++x) acc[x] = _mm512_setzero_ps();
   for (int64_t i = 0; i < V::qk_steps(D); ++i) {
     for (int x = 0; x < H; ++x) acc[x] = V::qk(acc[x], q[x], i, k);
   }
+  for (int x = 0; x < H; ++x) {
+    QueryState<T>& st = states[x / G];
+    const int64_t h = x % G;
+    const __mmask16 valid = static_cast<__mmask16>((1u << n[x / G]) - 1u);
+    const __m512 s = _mm512_mask_blend_ps(
+        valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
+        _mm512_mul_ps(acc[x], _mm512_set1_ps(scale)));
+    _mm512_storeu_ps(st.scores + (h * st.units + u) * kLanes, s);
+    float* vmax = st.vmax + h * kLanes;
+    _mm512_storeu_ps(vmax, _mm512_max_ps(_mm512_loadu_ps(vmax), s));  // max: exact
+  }
+}
+
+// o += w . v for H heads over one block's values, in the spec's order per head (pair j,
+// odd element first). Heads go in groups of up to kPvHeads so that a group's accumulators
+// (all of head_dim) stay in registers while each value row is loaded once per group; a
+// head whose keys end early skips the later pairs (the spec's ceil(n/P)).
+constexpr int kPvHeads = 6;
+
+template <typename T, int HG, int CH>
+void pv_group(float* const* o_of, const int64_t* n_of, int64_t most,
+              const typename Vec<T>::Weights (*w)[kLanes], const T* v, int64_t D) {
+  using V = Vec<T>;
+  bool uniform = true;
+  for (int x = 0; x < HG; ++x) uniform = uniform && n_of[x] == most;
+  for (int64_t c0 = 0; c0 < D; c0 += CH * kLanes) {
+    __m512 o[HG][CH];
+    for (int x = 0; x < HG; ++x)
+      for (int c = 0; c < CH; ++c) o[x][c] = _mm512_loadu_ps(o_of[x] + c0 + c * kLanes);
+    for (int64_t j = 0; j < V::pv_steps(most); ++j) {
+      __m512i rows[CH];
+      for (int c = 0; c < CH; ++c) rows[c] = V::value_row(v, j, D, c0 + c * kLanes);
+      for (int x = 0; x < HG; ++x) {
+        if (!uniform && j >= V::pv_steps(n_of[x])) continue;  // the spec skips these
+        const __m512 wj = V::weight(w[x], j);
+        for (int c = 0; c < CH; ++c) o[x][c] = V::pv(o[x][c], wj, rows[c]);
+      }
+    }
+    for (int x = 0; x < HG; ++x)
+      for (int c = 0; c < CH; ++c) _mm512_storeu_ps(o_of[x] + c0 + c * kLanes, o[x][c]);
+  }
+}
+
+template <typename T, int H, int CH>
+void pv_chunks(float* const* o_of, const int64_t* n_of, int64_t most,
+               const typename Vec<T>::Weights (*w)[kLanes], const T* v, int64_t D) {
+  constexpr int full = H / kPvHeads, rest = H % kPvHeads;
+  for (int gi = 0; gi < full; ++gi) {
+    pv_group<T, kPvHeads, CH>(o_of + gi * kPvHeads, n_of + gi * kPvHeads, most,
+                              w + gi * kPvHeads, v, D);
+  }
+  if constexpr (rest > 0) {
+    pv_group<T, rest, CH>(o_of + full * kPvHeads, n_of + full * kPvHeads, most,
+                          w + full * kPvHeads, v, D);
+  }
+}
+
+// head_dim in chunks of 16 floats: up to 4 chunks held at once (64 dimensions)
+template <typename T, int H>
+void pv_avx512(float* const* o_of, const int64_t* n_of, int64_t most,
+               const typename Vec<T>::Weights (*w)[kLanes], const T* v, int64_t D) {
+  switch (std::min<int64_t>(4, D / kLanes)) {
+    case 1: return pv_chunks<T, H, 1>(o_of, n_of, most, w, v, D);
+    case 2: return pv_chunks<T, H, 2>(o_of, n_of, most, w, v, D);
+    case 3: return pv_chunks<T, H, 3>(o_of, n_of, most, w, v, D);
+    default: return pv_chunks<T, H, 4>(o_of, n_of, most, w, v, D);
+  }
+}
+
+// Pass 2 of one 16-token block for H query heads reading the same values: each V row is
+// loaded once for all of them.
+template <typename T, int H>
+void values_avx512(QueryState<T>* states, const int64_t* n, const T* v, int64_t u,
+                   const Geometry& g) {
+  using V = Vec<T>;
+  const int64_t G = g.group, D = g.head_dim;
+  float* o_of[H];
+  int64_t n_of[H];
   alignas(64) typename V::Weights w[H][kLanes];
   int64_t most = 0;
   for (int x = 0; x < H; ++x) {
     QueryState<T>& st = states[x / G];
     const int64_t h = x % G;
+    o_of[x] = st.o + h * D;
+    n_of[x] = n[x / G];
     most = std::max(most, n_of[x]);
     const __mmask16 valid = static_cast<__mmask16>((1u << n_of[x]) - 1u);
-    const __m512 s = _mm512_mask_blend_ps(
-        valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
-        _mm512_mul_ps(acc[x], _mm512_set1_ps(scale)));
-    const float unit_max = _mm512_reduce_max_ps(s);  // a max is exact in any order
-    const float new_max = unit_max > st.max[h] ? unit_max : st.max[h];
-    if (new_max != st.max[h]) {
-      const float a = exp_spec(st.max[h] - new_max);
-      st.sum[h] = st.sum[h] * a;
-      for (int64_t d = 0; d < D; d += kLanes) {
-        _mm512_storeu_ps(o_of[x] + d,
-                         _mm512_mul_ps(_mm512_loadu_ps(o_of[x] + d), _mm512_set1_ps(a)));
-      }
-      st.max[h] = new_max;
-    }
-    const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
-    st.sum[h] = st.sum[h] + tree16(p);
+    const __m512 s = _mm512_loadu_ps(st.scores + (h * st.units + u) * kLanes);
+    const __m512 m = _mm512_set1_ps(st.vmax[h * kLanes]);
+    const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, m)));
+    float* vsum = st.vsum + h * kLanes;
+    _mm512_storeu_ps(vsum, _mm512_add_ps(_mm512_loadu_ps(vsum), p));
     V::weights(p, w[x]);
   }
-  for (int64_t c = 0; c < D; c += kLanes) {
-    __m512 o[H];
-    for (int x = 0; x < H; ++x) o[x] = _mm512_loadu_ps(o_of[x] + c);
-    for (int64_t j = 0; j < V::pv_steps(most); ++j) {
-      for (int x = 0; x < H; ++x) {
-        // steps past this query's keys are skipped, as in the spec
-        if (j < V::pv_steps(n_of[x])) o[x] = V::pv(o[x], w[x], j, v, D, c);
-      }
-    }
-    for (int x = 0; x < H; ++x) _mm512_storeu_ps(o_of[x] + c, o[x]);
-  }
+  pv_avx512<T, H>(o_of, n_of, most, w, v, D);
+}
+
+template <typename T, int H>
+void unit_avx512(QueryState<T>* states, const int64_t* n, const T* k, const T* v, int64_t u,
+                 bool values, float scale, const Geometry& g) {
+  if (values) return values_avx512<T, H>(states, n, v, u, g);
+  scores_avx512<T, H>(states, n, k, u, scale, g);
 }
 
 template <typename T, int... Hs>
 constexpr auto avx512_table(std::integer_sequence<int, Hs...>) {
-  using Fn = void (*)(QueryState<T>*, const int64_t*, const T*, const T*, float,
+  using Fn = void (*)(QueryState<T>*, const int64_t*, const T*, const T*, int64_t, bool, float,
                       const Geometry&);
   return std::array<Fn, sizeof...(Hs)>{&unit_avx512<T, Hs + 1>...};
 }
 
 template <typename T>
 void unit_avx512_any(QueryState<T>* states, const int64_t* n, int count, const T* k,
-                     const T* v, float scale, const Geometry& g) {
+                     const T* v, int64_t u, bool values, float scale, const Geometry& g) {
   static constexpr auto table = avx512_table<T>(std::make_integer_sequence<int, kMaxHeads>{});
-  table[count * g.group - 1](states, n, k, v, scale, g);
+  table[count * g.group - 1](states, n, k, v, u, values, scale, g);
 }
 #endif
 
@@ -373,13 +447,13 @@ template <typename T> struct Kernel {
   }
 
   void unit(QueryState<T>* states, const int64_t* n, int count, const T* k, const T* v,
-            A scale, const Geometry& g) const {
+            int64_t u, bool values, A scale, const Geometry& g) const {
 #if defined(__AVX512F__)
     if constexpr (Vec<T>::enabled) {
-      if (vector) return unit_avx512_any<T>(states, n, count, k, v, scale, g);
+      if (vector) return unit_avx512_any<T>(states, n, count, k, v, u, values, scale, g);
     }
 #endif
-    unit_portable<T>(states, n, count, k, v, scale, g);
+    unit_portable<T>(states, n, count, k, v, u, values, scale, g);
   }
 };
 
@@ -390,11 +464,12 @@ struct Step {
   const int32_t* ctx;
 };
 
-// Ask for the K and V of the unit at key `start` of each query that reaches it, while the
-// current unit computes: blocks sit anywhere in the pool, where no hardware prefetcher looks.
+// Ask for the K (pass 1) or V (pass 2) of the unit at key `start` of each query that reaches
+// it, while the current unit computes: blocks sit anywhere in the pool, where no hardware
+// prefetcher looks.
 template <typename T>
 void prefetch_next(const Geometry& g, const Step& step, const T* kv_layer, const int32_t* rows,
-                   int count, int64_t start, int64_t kvh) {
+                   int count, int64_t start, int64_t kvh, bool values) {
   const int64_t b = start / g.block_size;
   if (start % g.block_size != 0) return;  // the same block as the unit before
   const int64_t bytes = g.block_size * g.head_dim * static_cast<int64_t>(sizeof(T));
@@ -406,36 +481,49 @@ void prefetch_next(const Geometry& g, const Step& step, const T* kv_layer, const
     last = block;
     const char* k = reinterpret_cast<const char*>(kv_layer + block * g.block_stride +
                                                   kvh * g.head_stride);
-    const char* v = k + g.kv_offset * static_cast<int64_t>(sizeof(T));
-    for (int64_t off = 0; off < bytes; off += 64) {
-      __builtin_prefetch(k + off);
-      __builtin_prefetch(v + off);
-    }
+    const char* wanted = values ? k + g.kv_offset * static_cast<int64_t>(sizeof(T)) : k;
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(wanted + off);
   }
 }
 
-// One tile of queries against one KV head: unit by unit from position 0; at each unit, the
+// A tile's scratch: each query's output, scores, lane maxima and sums for one KV head.
+template <typename T> struct TileStore {
+  using A = typename Traits<T>::Acc;
+  std::vector<A> data;
+  std::vector<QueryState<T>> states;
+
+  TileStore(const Geometry& g, const Step& step, const T* q, int64_t q_tok, int64_t q_head,
+            const int32_t* rows, int count, int64_t kvh, int64_t unit) {
+    const int64_t G = g.group, D = g.head_dim;
+    std::vector<int64_t> offsets(static_cast<size_t>(count) + 1, 0);
+    for (int i = 0; i < count; ++i) {
+      const int64_t units = (step.ctx[rows[i]] + unit - 1) / unit;
+      offsets[i + 1] = offsets[i] + G * (D + (units + 2) * kLanes);
+    }
+    data.assign(static_cast<size_t>(offsets[count]), A(0));
+    states.resize(static_cast<size_t>(count));
+    for (int i = 0; i < count; ++i) {
+      A* base = data.data() + offsets[i];
+      const int64_t units = (step.ctx[rows[i]] + unit - 1) / unit;
+      QueryState<T>& st = states[i];
+      st = QueryState<T>{q + rows[i] * q_tok + kvh * G * q_head, q_head, base, base + G * D,
+                         units, nullptr, nullptr};
+      st.vmax = st.scores + G * units * kLanes;
+      st.vsum = st.vmax + G * kLanes;
+      std::fill(st.vmax, st.vmax + G * kLanes, -std::numeric_limits<A>::infinity());
+    }
+  }
+};
+
+// One pass of a tile over one KV head: unit by unit from position 0; at each unit, the
 // queries reading the same physical block go through one call.
 template <typename T>
-void run_tile(const Kernel<T>& kernel, const Geometry& g, const Step& step, const T* kv_layer,
-              const T* q, int64_t q_tok, int64_t q_head, T* out, const int32_t* rows, int count,
-              int64_t kvh, typename Traits<T>::Acc scale) {
-  using A = typename Traits<T>::Acc;
-  const int64_t G = g.group, D = g.head_dim, bs = g.block_size;
-  const int64_t unit = std::min<int64_t>(bs, kLanes);
-  const int64_t per_query = G * (D + 2);
-  std::vector<A> store(static_cast<size_t>(count * per_query));
-  std::vector<QueryState<T>> states(static_cast<size_t>(count));
+void tile_pass(const Kernel<T>& kernel, const Geometry& g, const Step& step, const T* kv_layer,
+               TileStore<T>& store, const int32_t* rows, int count, int64_t kvh, bool values,
+               typename Traits<T>::Acc scale) {
+  const int64_t bs = g.block_size, unit = std::min<int64_t>(bs, kLanes);
   int64_t max_ctx = 0;
-  for (int i = 0; i < count; ++i) {
-    A* base = store.data() + i * per_query;
-    states[i] = QueryState<T>{q + rows[i] * q_tok + kvh * G * q_head, q_head, base,
-                              base + G * D, base + G * D + G};
-    std::fill(base, base + G * D, A(0));
-    std::fill(states[i].max, states[i].max + G, -std::numeric_limits<A>::infinity());
-    std::fill(states[i].sum, states[i].sum + G, A(0));
-    max_ctx = std::max<int64_t>(max_ctx, step.ctx[rows[i]]);
-  }
+  for (int i = 0; i < count; ++i) max_ctx = std::max<int64_t>(max_ctx, step.ctx[rows[i]]);
   std::vector<QueryState<T>> batch(static_cast<size_t>(kernel.per_call));
   std::vector<int64_t> counts(static_cast<size_t>(kernel.per_call));
   std::vector<int64_t> blocks(static_cast<size_t>(count));
@@ -446,28 +534,49 @@ void run_tile(const Kernel<T>& kernel, const Geometry& g, const Step& step, cons
       done[i] = step.ctx[rows[i]] <= start;
       blocks[i] = done[i] ? -1 : step.tables[step.seq[rows[i]] * step.table_stride + b];
     }
-    prefetch_next(g, step, kv_layer, rows, count, start + unit, kvh);
+    prefetch_next(g, step, kv_layer, rows, count, start + unit, kvh, values);
     for (int i = 0; i < count; ++i) {
       if (done[i]) continue;
       int taken = 0;
       for (int j = i; j < count && taken < kernel.per_call; ++j) {
         if (done[j] || blocks[j] != blocks[i]) continue;
-        batch[taken] = states[j];
+        batch[taken] = store.states[j];
         counts[taken++] = std::min<int64_t>(unit, step.ctx[rows[j]] - start);
         done[j] = 1;
       }
       const T* block = kv_layer + blocks[i] * g.block_stride + kvh * g.head_stride;
-      const int64_t P = Traits<T>::pack;
-      kernel.unit(batch.data(), counts.data(), taken, block + within * P,
-                  block + g.kv_offset + within * D, scale, g);
+      kernel.unit(batch.data(), counts.data(), taken, block + within * Traits<T>::pack,
+                  block + g.kv_offset + within * g.head_dim, start / unit, values, scale, g);
     }
   }
-  for (int i = 0; i < count; ++i) {
+}
+
+// One tile of queries against one KV head: pass 1 (scores and maxima), each head's maximum,
+// pass 2 (weights, sums and values), then the outputs.
+template <typename T>
+void run_tile(const Kernel<T>& kernel, const Geometry& g, const Step& step, const T* kv_layer,
+              const T* q, int64_t q_tok, int64_t q_head, T* out, const int32_t* rows, int count,
+              int64_t kvh, typename Traits<T>::Acc scale) {
+  using A = typename Traits<T>::Acc;
+  const int64_t G = g.group, D = g.head_dim;
+  const int64_t unit = std::min<int64_t>(g.block_size, kLanes);
+  TileStore<T> store(g, step, q, q_tok, q_head, rows, count, kvh, unit);
+  tile_pass<T>(kernel, g, step, kv_layer, store, rows, count, kvh, false, scale);
+  for (QueryState<T>& st : store.states) {
     for (int64_t h = 0; h < G; ++h) {
+      A* vmax = st.vmax + h * kLanes;
+      A m = vmax[0];
+      for (int l = 1; l < kLanes; ++l) m = vmax[l] > m ? vmax[l] : m;
+      vmax[0] = m;  // a max is exact in any order
+    }
+  }
+  tile_pass<T>(kernel, g, step, kv_layer, store, rows, count, kvh, true, scale);
+  for (int i = 0; i < count; ++i) {
+    const QueryState<T>& st = store.states[i];
+    for (int64_t h = 0; h < G; ++h) {
+      const A total = tree16(st.vsum + h * kLanes);
       T* o = out + (rows[i] * g.heads + kvh * G + h) * D;
-      for (int64_t d = 0; d < D; ++d) {
-        o[d] = static_cast<T>(states[i].o[h * D + d] / states[i].sum[h]);
-      }
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(st.o[h * D + d] / total);
     }
   }
 }
