@@ -16,16 +16,29 @@ from replica.model.shape import ModelShape
 
 
 class RMSNorm(nn.Module):
-    """Normalized in float32, then scaled in the model's dtype (as Hugging Face does)."""
+    """Normalized in float32, then scaled in the model's dtype (as Hugging Face does).
+
+    ``fused`` runs the C++ kernels (``kernels/layers.cpp``); the torch code is their
+    reference. ``add_forward`` adds a layer's output to the residual stream first (in
+    place) and normalizes the sum: one pass instead of two."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        if fused:
+            return torch.ops.prefix_serve.rms_norm(x, self.weight, self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return normed.to(x.dtype) * self.weight
+
+    def add_forward(self, residual: torch.Tensor, x: torch.Tensor, fused: bool) -> torch.Tensor:
+        """``residual += x``, then the norm of the new residual."""
+        if fused:
+            return torch.ops.prefix_serve.add_rms_norm(residual, x, self.weight, self.eps)
+        residual.add_(x)
+        return self.forward(residual)
 
 
 class RotaryEmbedding(nn.Module):
@@ -41,16 +54,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for each token: ``[tokens, 1, head_dim]``."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(
-            dtype
-        )
+        """cos and sin for each token in the model's dtype: ``[tokens, head_dim]``."""
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x``: [tokens, heads, head_dim], rotated by each token's position."""
+def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool) -> None:
+    """``x``: [tokens, heads, head_dim] (a view), rotated in place by each token's position
+    (``cos``, ``sin``: [tokens, head_dim])."""
+    if fused:
+        torch.ops.prefix_serve.rope(x, cos, sin)
+        return
     half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x.copy_(x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin)
 
 
 class LlamaAttention(nn.Module):
@@ -77,8 +93,8 @@ class LlamaAttention(nn.Module):
         n = x.shape[0]
         qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(x).view(n, qk_heads + self.num_kv_heads, self.head_dim)
-        qk = rotate(qkv[:, :qk_heads], *rope)
-        q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, qk_heads:]
+        rotate_(qkv[:, :qk_heads], *rope, fused=meta.use_kernel)
+        q, k, v = qkv[:, : self.num_heads], qkv[:, self.num_heads : qk_heads], qkv[:, qk_heads:]
         out = paged_attention(q, k, v, kv_cache, layer, meta)
         return self.o_proj(out.reshape(n, -1))
 
@@ -92,8 +108,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if fused:
+            return self.down_proj(torch.ops.prefix_serve.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -145,13 +164,19 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """Hidden states after the final norm for a flat batch of tokens."""
-        h = self.model.embed_tokens(input_ids)
-        rope = self.model.rotary.at(positions, h.dtype)
-        for i, layer in enumerate(self.model.layers):
-            h = h + layer.self_attn(layer.input_layernorm(h), rope, kv_cache, i, meta)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.model.norm(h)
+        """Hidden states after the final norm for a flat batch of tokens. The residual stream
+        is updated in place and normalized in the same pass (``RMSNorm.add_forward``)."""
+        fused = meta.use_kernel
+        residual = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary.at(positions, residual.dtype)
+        layers = self.model.layers
+        x = layers[0].input_layernorm(residual, fused)
+        for i, layer in enumerate(layers):
+            attended = layer.self_attn(x, rope, kv_cache, i, meta)
+            x = layer.post_attention_layernorm.add_forward(residual, attended, fused)
+            after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x = after.add_forward(residual, layer.mlp(x, fused), fused)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -28,7 +28,9 @@ from torch.utils import cpp_extension
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("attention.cpp"),)
+HERE = Path(__file__).parent
+SOURCES = (HERE / "attention.cpp", HERE / "layers.cpp")
+HEADERS = (HERE / "numerics.h",)
 # where builds go: next to the source, or PREFIX_SERVE_KERNEL_DIR (an install that cannot write
 # into its own package)
 BUILD_DIR = Path(os.environ.get("PREFIX_SERVE_KERNEL_DIR") or Path(__file__).with_name("build"))
@@ -62,7 +64,7 @@ def _cpu_flags() -> str:
 def library_path() -> Path:
     """Where this source, these flags, this torch and this CPU's build lives."""
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     for part in (*FLAGS, torch.__version__, _cpu_flags()):
         digest.update(part.encode())
