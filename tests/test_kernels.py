@@ -1,10 +1,10 @@
 """The engine's kernels: right (against pure torch) and batch-invariant (bit for bit).
 
-``replica/kernels/attention.cpp`` has two implementations of one arithmetic: AVX-512 for
-16-token blocks and a portable one; they must agree bitwise (the portable one is the vector
-one's reference), both must equal a float64 softmax up to rounding, and a query's output must
-not depend on what else is in the call. The linear layers must give a row the same bits
-whatever the number of rows.
+``replica/model/kernels/`` has, for attention and for linear layers, two implementations of
+one arithmetic (AVX-512 and portable); they must agree bitwise (the portable one is the
+vector one's reference), both must equal float64 maths up to rounding, and a query's or a
+row's output must not depend on what else is in the call. The fused layer steps (norms,
+SiLU, rotary) must equal their torch references and be per-row too.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from replica.checkpoints import SMOLLM2, checkpoint_for
 from replica.model import kernels
@@ -23,7 +24,7 @@ from replica.model.attention import (
     reference_attention,
     reference_write_kv,
 )
-from replica.model.packed_linear import PackedLinear, invariant_min_rows
+from replica.model.llama import RMSNorm, RotaryEmbedding, rotate_
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler here")
 
@@ -143,18 +144,69 @@ def smollm2_linears() -> dict[str, torch.Tensor]:
     }
 
 
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    return ops.pack_linear(weight.contiguous())
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", ["qkv", "o", "gate_up", "down", "lm_head"])
 def test_a_linear_rows_bits_do_not_depend_on_the_number_of_rows(
     smollm2_linears, name, dtype
 ) -> None:
     weight = smollm2_linears[name].to(dtype)
-    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=dtype)
-    linear.weight.data.copy_(weight)
-    packed = PackedLinear(linear)
-    packed.min_rows = invariant_min_rows(packed)
+    w = packed(weight)
+    n = weight.shape[0]
     x = torch.randn(300, weight.shape[1], generator=torch.Generator().manual_seed(2)).to(dtype)
-    batch = packed(x[:32])
+    batch = ops.linear(x[:32], w, n)
     for row in range(32):
-        assert torch.equal(packed(x[row : row + 1])[0], batch[row]), row
-    assert torch.equal(packed(x)[:32], batch)  # and a 300-row call (a prefill chunk)
+        assert torch.equal(ops.linear(x[row : row + 1], w, n)[0], batch[row]), row
+    assert torch.equal(ops.linear(x, w, n)[:32], batch)  # and a 300-row call (a prefill chunk)
+    want = x[:32].double() @ weight.double().T
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 3e-2}[dtype]
+    assert ((batch.double() - want).abs() / (want.abs() + 1)).max() < tolerance
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_vector_and_portable_kernels_agree_bit_for_bit(dtype) -> None:
+    """Odd shapes (a partial panel, a row count that is no multiple of the micro-kernel's),
+    and values whose products are subnormal, which VDPBF16PS flushes."""
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(200, 96, generator=gen).to(dtype)
+    x = torch.randn(13, 96, generator=gen).to(dtype)
+    x[3] *= 1e-20
+    w = packed(weight)
+    assert torch.equal(ops.linear(x, w, 200, True), ops.linear(x, w, 200, False))
+
+
+def test_the_fused_layer_steps_equal_their_torch_references() -> None:
+    """Rotary bit for bit (the same bfloat16 roundings at the same points); the norms and
+    SiLU within a bfloat16 unit (a sum of squares and an exp in another order); and every
+    row the same alone or among 64."""
+    gen = torch.Generator().manual_seed(5)
+    dt = torch.bfloat16
+    norm = RMSNorm(576, 1e-5).to(dt)
+    norm.weight.data.copy_(torch.rand(576, generator=gen) + 0.5)
+    x = torch.randn(64, 576, generator=gen).to(dt)
+    residual = torch.randn(64, 576, generator=gen).to(dt)
+    assert close(norm(x, fused=True), norm(x))
+    fused_res, torch_res = residual.clone(), residual.clone()
+    assert close(norm.add_forward(fused_res, x, True), norm.add_forward(torch_res, x, False))
+    assert torch.equal(fused_res, torch_res)  # the residual add rounds once, as torch's does
+    for row in (0, 17, 63):
+        assert torch.equal(norm(x[row : row + 1], fused=True)[0], norm(x, fused=True)[row])
+    gate_up = torch.randn(64, 2 * 1536, generator=gen).to(dt) * 4
+    gate, up = gate_up.split(1536, dim=-1)
+    assert close(ops.silu_mul(gate_up), F.silu(gate) * up)
+    assert torch.equal(ops.silu_mul(gate_up[5:6])[0], ops.silu_mul(gate_up)[5])
+    rotary = RotaryEmbedding(64, 4096, 100000.0)
+    cos, sin = rotary.at(torch.arange(100, 164), dt)
+    qk = torch.randn(64, 12, 64, generator=gen).to(dt)
+    ours, theirs = qk.clone(), qk.clone()
+    rotate_(ours, cos, sin, fused=True)
+    rotate_(theirs, cos, sin, fused=False)
+    assert torch.equal(ours, theirs)
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Within one bfloat16 unit in the last place, relative to the values' size."""
+    return bool(((a.float() - b.float()).abs() <= 2**-7 * b.float().abs() + 1e-6).all())

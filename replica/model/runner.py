@@ -35,14 +35,14 @@ class ModelRunner:
                 raise CheckpointError(f"{checkpoint.name}: {exc}") from None
         self.model = model.to(dtype).eval()
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
+        self.use_kernel = _use_kernel(config.deterministic)
         # after counting: packed weights are no parameters
-        pack_linears(self.model, invariant=config.deterministic)
+        pack_linears(self.model, kernel=self.use_kernel)
         m = config.shape
         self.kv_cache = KVCache(
             m.num_layers, config.num_blocks, config.block_size, m.num_kv_heads, m.head_dim, dtype
         )
         self.block_size = config.block_size
-        self.use_kernel = _use_kernel(config.deterministic)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:

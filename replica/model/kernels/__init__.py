@@ -29,7 +29,7 @@ from torch.utils import cpp_extension
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "attention.cpp", HERE / "layers.cpp")
+SOURCES = (HERE / "attention.cpp", HERE / "layers.cpp", HERE / "linear.cpp")
 HEADERS = (HERE / "numerics.h",)
 # where builds go: next to the source, or PREFIX_SERVE_KERNEL_DIR (an install that cannot write
 # into its own package)

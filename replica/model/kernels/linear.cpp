@@ -1,0 +1,216 @@
+// Linear layers, y[M, N] = x[M, K] @ W[N, K]^T, with one fixed arithmetic per output.
+//
+// Why our own: a row's result must not depend on how many rows share the call (or a
+// request's tokens would depend on its batch), and oneDNN picks its kernel by M (its one-row
+// kernel adds in another order than the rest). Here every output is one accumulator walked
+// over K in order, whatever M, whatever tile the row falls in, whatever thread computes it:
+//   bfloat16: acc = 0; for i = 0..K/2-1: acc = mac(x[2i+1], w[2i+1], acc);
+//             acc = mac(x[2i], w[2i], acc)  (VDPBF16PS's pair step); y = acc rounded
+//   float32:  acc = 0; for k = 0..K-1: acc = fma(x[k], w[k], acc); y = acc
+// The weights are packed once into panels of 64 outputs, [N/64][K/P][64][P] (P = 2 for
+// bfloat16 pairs), so a panel streams from memory in order; an AVX-512 micro-kernel holds up
+// to 6 rows x 64 outputs in registers, and a portable one follows the same arithmetic. A
+// decode step's few rows stream each weight once, faster than oneDNN's small-M kernels here
+// (docs/decisions.md). Threads split the panels: an output is always one thread's.
+
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "numerics.h"
+
+namespace {
+using namespace prefix_serve;
+
+constexpr int64_t kPanel = 64;  // outputs per panel: 4 vectors of 16
+constexpr int kMaxRows = 6;     // rows one micro-kernel call holds (24 accumulators)
+
+template <typename T> constexpr int64_t pack_of() { return Traits<T>::pack; }
+
+// ---- portable: the arithmetic, output by output ----
+
+template <typename T>
+void panel_portable(const T* x, int64_t ldx, const T* w, int64_t K, T* y, int64_t ldy,
+                    int64_t rows, int64_t cols) {
+  constexpr int64_t P = pack_of<T>();
+  using A = typename Traits<T>::Acc;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      A acc = 0;
+      for (int64_t i = 0; i < K / P; ++i) {
+        for (int64_t e = P - 1; e >= 0; --e) {
+          const A wv = widen(w[(i * kPanel + c) * P + e]);
+          acc = Traits<T>::mac(widen(x[r * ldx + i * P + e]), wv, acc);
+        }
+      }
+      y[r * ldy + c] = static_cast<T>(acc);
+    }
+  }
+}
+
+// ---- AVX-512 micro-kernels: MR rows x 64 outputs ----
+#if defined(__AVX512F__)
+
+template <typename T> struct Micro { static constexpr bool enabled = false; };
+
+#if defined(__AVX512BF16__)
+template <> struct Micro<c10::BFloat16> {
+  static constexpr bool enabled = true;
+  using T = c10::BFloat16;
+  template <int MR>
+  static void run(const T* x, int64_t ldx, const T* w, int64_t K, T* y, int64_t ldy,
+                  int64_t cols) {
+    __m512 acc[MR][4];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < K / 2; ++i) {
+      const T* wi = w + i * kPanel * 2;
+      _mm_prefetch(reinterpret_cast<const char*>(wi + 64 * kPanel * 2), _MM_HINT_T0);
+      __m512i wv[4];
+      for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512(wi + j * 32);
+      for (int r = 0; r < MR; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * ldx + 2 * i, sizeof(pair));
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv[j], xv);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      for (int j = 0; j < 4 && j * 16 < cols; ++j) {
+        const int64_t left = cols - j * 16;
+        const __mmask16 m = static_cast<__mmask16>(left >= 16 ? 0xFFFFu : (1u << left) - 1u);
+        _mm256_mask_storeu_epi16(y + r * ldy + j * 16, m, (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
+      }
+    }
+  }
+};
+#endif
+
+template <> struct Micro<float> {
+  static constexpr bool enabled = true;
+  template <int MR>
+  static void run(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
+                  int64_t cols) {
+    __m512 acc[MR][4];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+      const float* wk = w + k * kPanel;
+      _mm_prefetch(reinterpret_cast<const char*>(wk + 32 * kPanel), _MM_HINT_T0);
+      __m512 wv[4];
+      for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_ps(wk + j * 16);
+      for (int r = 0; r < MR; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      for (int j = 0; j < 4 && j * 16 < cols; ++j) {
+        const int64_t left = cols - j * 16;
+        const __mmask16 m = static_cast<__mmask16>(left >= 16 ? 0xFFFFu : (1u << left) - 1u);
+        _mm512_mask_storeu_ps(y + r * ldy + j * 16, m, acc[r][j]);
+      }
+    }
+  }
+};
+
+template <typename T>
+void panel_avx512(const T* x, int64_t ldx, const T* w, int64_t K, T* y, int64_t ldy,
+                  int64_t rows, int64_t cols) {
+  using U = Micro<T>;
+  int64_t r = 0;
+  for (; r + kMaxRows <= rows; r += kMaxRows) {
+    U::template run<kMaxRows>(x + r * ldx, ldx, w, K, y + r * ldy, ldy, cols);
+  }
+  switch (rows - r) {
+    case 1: return U::template run<1>(x + r * ldx, ldx, w, K, y + r * ldy, ldy, cols);
+    case 2: return U::template run<2>(x + r * ldx, ldx, w, K, y + r * ldy, ldy, cols);
+    case 3: return U::template run<3>(x + r * ldx, ldx, w, K, y + r * ldy, ldy, cols);
+    case 4: return U::template run<4>(x + r * ldx, ldx, w, K, y + r * ldy, ldy, cols);
+    case 5: return U::template run<5>(x + r * ldx, ldx, w, K, y + r * ldy, ldy, cols);
+    default: return;
+  }
+}
+#endif
+
+template <typename T>
+void panel(const T* x, int64_t ldx, const T* w, int64_t K, T* y, int64_t ldy, int64_t rows,
+           int64_t cols, bool vector) {
+#if defined(__AVX512F__)
+  if constexpr (Micro<T>::enabled) {
+    if (vector) return panel_avx512<T>(x, ldx, w, K, y, ldy, rows, cols);
+  }
+#endif
+  panel_portable<T>(x, ldx, w, K, y, ldy, rows, cols);
+}
+
+template <typename Fn> void dispatch(at::ScalarType type, const char* name, const Fn& fn) {
+  switch (type) {
+    case at::kFloat: fn(float{}); break;
+    case at::kBFloat16: fn(c10::BFloat16{}); break;
+    default: TORCH_CHECK(false, name, ": bfloat16 or float32 only, not ", type);
+  }
+}
+
+// [N, K] -> [ceil(N/64), K/P, 64, P], zero-padded to whole panels
+at::Tensor pack_linear(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "pack_linear: a contiguous [N, K]");
+  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kPanel - 1) / kPanel;
+  at::Tensor out;
+  dispatch(weight.scalar_type(), "pack_linear", [&](auto zero) {
+    using T = decltype(zero);
+    constexpr int64_t P = pack_of<T>();
+    TORCH_CHECK(K % P == 0, "pack_linear: K must be a multiple of ", P);
+    out = at::zeros({panels, K / P, kPanel, P}, weight.options());
+    const T* src = weight.data_ptr<T>();
+    T* dst = out.data_ptr<T>();
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k)
+        dst[(((n / kPanel) * (K / P) + k / P) * kPanel + n % kPanel) * P + k % P] =
+            src[n * K + k];
+  });
+  return out;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                  bool vector) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear: x must be [rows, K], rows dense");
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous(), "linear: a packed weight");
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "linear: x and weight share a dtype");
+  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
+  TORCH_CHECK(packed.size(1) * packed.size(3) == K, "linear: x's width is not the weight's K");
+  TORCH_CHECK(out_features <= panels * kPanel, "linear: more outputs than the weight has");
+  at::Tensor y = at::empty({M, out_features}, x.options());
+  dispatch(x.scalar_type(), "linear", [&](auto zero) {
+    using T = decltype(zero);
+    const T* xp = x.data_ptr<T>();
+    const T* wp = packed.data_ptr<T>();
+    T* yp = y.data_ptr<T>();
+    const int64_t ldx = x.stride(0), panel_size = K * kPanel;
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t cols = std::min<int64_t>(kPanel, out_features - p * kPanel);
+        panel<T>(xp, ldx, wp + p * panel_size, K, yp + p * kPanel, out_features, M, cols,
+                 vector);
+      }
+    });
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(prefix_serve, m) {
+  m.def("pack_linear(Tensor weight) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, int out_features, bool vector=True) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(prefix_serve, CPU, m) {
+  m.impl("pack_linear", &pack_linear);
+  m.impl("linear", &linear);
+}
