@@ -17,12 +17,14 @@ from bench.experiments import (
     scheduling,
     simulate,
     speed,
+    stack,
 )
 
 EXPERIMENTS = {
     "engine": (engine, "prefix cache off vs on on one trace, one engine (and vLLM)"),
     "choices": (choices, "n samples of one prompt: one prefill, TTFT next to n = 1"),
     "speed": (speed, "prefill and decode throughput next to transformers and vLLM"),
+    "stack": (stack, "the whole cluster next to Ray Serve LLM with vLLM, vllm bench serve"),
     "scheduling": (scheduling, "chunked prefill and the admission reserve on one engine"),
     "index": (index, "Redis index query latency, publish throughput, memory"),
     "routing": (routing, "routing policies compared on the real cluster: JSON, Markdown, PNG"),

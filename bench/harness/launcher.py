@@ -65,9 +65,16 @@ class ServeCluster:
         port: int | None = None,
         log_path: Path | None = None,
         ray_address: str | None = None,
+        repo: Path = REPO,
+        app_args: dict[str, Any] | None = None,
     ) -> None:
+        """``repo`` and ``app_args``: another revision of this project (a worktree) and its
+        builder's arguments as written in that revision's schema; ``args`` must then name
+        the same model and index (readiness is read from the index)."""
         self.args = args
         self.ray_address = ray_address
+        self.repo = repo
+        self.app_args = app_args
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self._dir = Path(tempfile.mkdtemp(prefix="serve-"))
@@ -76,18 +83,21 @@ class ServeCluster:
 
     def start(self, timeout_s: float = 180.0) -> ServeCluster:
         config = self._dir / "config.yaml"
-        config.write_text(yaml.safe_dump(serve_config(self.args, self.port)))
+        written = serve_config(self.args, self.port)
+        if self.app_args is not None:
+            written["applications"][0]["args"] = self.app_args
+        config.write_text(yaml.safe_dump(written))
         env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
         # the experiments may name classes of bench/ (not installed) in the config: Ray's
         # workers inherit this path from the driver
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.repo), env.get("PYTHONPATH")]))
         if self.ray_address is not None:
             env["RAY_ADDRESS"] = self.ray_address
         serve = Path(sys.executable).with_name("serve")
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
                 [str(serve), "run", str(config)],
-                cwd=REPO,
+                cwd=self.repo,
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

