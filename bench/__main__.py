@@ -18,6 +18,7 @@ from bench.experiments import (
     simulate,
     speed,
     stack,
+    structured,
 )
 
 EXPERIMENTS = {
@@ -25,6 +26,7 @@ EXPERIMENTS = {
     "choices": (choices, "n samples of one prompt: one prefill, TTFT next to n = 1"),
     "speed": (speed, "prefill and decode throughput next to transformers and vLLM"),
     "stack": (stack, "the whole cluster next to Ray Serve LLM with vLLM, vllm bench serve"),
+    "structured": (structured, "replies held to a JSON schema: the mask's cost, compile times"),
     "scheduling": (scheduling, "chunked prefill and the admission reserve on one engine"),
     "index": (index, "Redis index query latency, publish throughput, memory"),
     "routing": (routing, "routing policies compared on the real cluster: JSON, Markdown, PNG"),

@@ -72,6 +72,9 @@ class ClusterArgs(BaseModel):
         64, ge=-1, description="waiting for a replica slot, per ingress; beyond it: 503"
     )
     max_tokens_limit: int = Field(1024, gt=0, description="largest max_tokens accepted")
+    max_request_bytes: int = Field(
+        4 * 2**20, ge=1024, description="request bodies over this: 413, never read whole"
+    )
     max_resumes: int = Field(
         2, ge=0, description="times a request is sent again after its replica died"
     )

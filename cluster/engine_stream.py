@@ -24,7 +24,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from cluster.api import metrics as api_metrics
 from cluster.api.errors import engine_error, replica_failed
-from replica.messages import EngineRequest, RequestOutput
+from replica.messages import EngineRequest, InvalidRequestError, RequestOutput
 
 
 class EngineStream:
@@ -54,7 +54,7 @@ class EngineStream:
                 self._resume_or_fail("before_first_token")
                 continue
             except BaseException as exc:
-                error = engine_error(exc)
+                error = engine_error(exc, self.request.request_id)
                 if error is None:  # cancelled (the client went away): cancel downstream too
                     self.cancel()
                     raise
@@ -71,7 +71,10 @@ class EngineStream:
                     self._delivered += chunk.new_token_ids if chunk.index == 0 else []
                     yield chunk
                 return
-            except ray.exceptions.RayError:
+            except ray.exceptions.RayError as exc:
+                cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else None
+                if isinstance(cause, InvalidRequestError):  # it would fail anywhere
+                    raise engine_error(exc, self.request.request_id) from None
                 if self.request.params.n > 1:  # several choices in flight: not resumable
                     self._resume_or_fail("mid_stream", give_up=True)
                 self._resume_or_fail("mid_stream")

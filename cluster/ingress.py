@@ -6,6 +6,8 @@ Every error is an OpenAI error body with the right status; nothing reaches a rep
 the ingress can already tell is invalid.
 """
 
+import asyncio
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from cluster.api import auth
+from cluster.api import auth, body_limit
 from cluster.api import metrics as api_metrics
 from cluster.api.errors import (
     APIError,
@@ -26,15 +28,17 @@ from cluster.api.errors import (
 from cluster.api.models import ChatCompletionRequest, CompletionRequest
 from cluster.api.openapi import install_openapi
 from cluster.api.responses import ReleasingStreamingResponse, Reply
+from cluster.api.tools import template_messages, template_tools
 from cluster.config import ClusterArgs
 from cluster.engine_stream import EngineStream
 from cluster.request_builder import RequestBuilder
 from replica.checkpoints import checkpoint_for
-from replica.messages import EngineRequest
+from replica.messages import EngineRequest, RequestOutput
 from router import link
 
 app = FastAPI(title="prefix-serve", description="OpenAI-compatible, prefix-aware serving")
 app.middleware("http")(auth.require_api_key)
+app.add_middleware(body_limit.BodyLimit)  # outermost: before a key is checked or a body read
 install_handlers(app)
 # Serve pickles ``Ingress`` by value when it is decorated: helpers are defined above it, and
 # shared state (metrics) is reached through its module, never bound as a global here.
@@ -53,13 +57,26 @@ class Admission:
         self.limit = None if queued < 0 else share
         self.in_flight = 0
 
-    def enter(self) -> None:
-        if self.limit is not None and self.in_flight >= self.limit:
+    def enter(self, count: int = 1) -> None:
+        """Take ``count`` slots (a batch of prompts takes one each), or refuse with 503."""
+        if self.limit is not None and self.in_flight + count > self.limit:
             raise overloaded()
-        self.in_flight += 1
+        self.in_flight += count
 
-    def leave(self) -> None:
-        self.in_flight -= 1
+    def leave(self, count: int = 1) -> None:
+        self.in_flight -= count
+
+
+async def first_chunks(streams: list[EngineStream]) -> list[RequestOutput]:
+    """Every stream's first chunk, concurrently; on a failure the others are cancelled and
+    the first error raised (nothing is left running in the engines)."""
+    results = await asyncio.gather(*(s.first() for s in streams), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        for stream in streams:
+            stream.cancel()
+        raise errors[0]
+    return results  # type: ignore[return-value]
 
 
 @serve.deployment(max_ongoing_requests=256)
@@ -75,6 +92,7 @@ class Ingress:
         self.admission = Admission(self.args)
         self.requests = RequestBuilder(self.args, self.hasher)
         auth.configure(self.args.api_keys)
+        body_limit.configure(self.args.max_request_bytes)
         install_openapi(
             app, self.model_id, self.args.engine.shape.vocab_size, self.args.max_tokens_limit
         )
@@ -108,47 +126,42 @@ class Ingress:
     async def completions(
         self, body: CompletionRequest, request: Request
     ) -> JSONResponse | StreamingResponse:
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids, text = self.tokenizer.encode(prompt), prompt
-        else:
-            vocab = self.args.engine.shape.vocab_size
-            if not prompt or any(not 0 <= t < vocab for t in prompt):
+        vocab = self.args.engine.shape.vocab_size
+        prompts: list[tuple[list[int], str]] = []
+        for prompt in body.prompts:
+            if isinstance(prompt, str):
+                prompts.append((self.tokenizer.encode(prompt), prompt))
+            elif any(not 0 <= t < vocab for t in prompt):
                 raise APIError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
-            ids, text = list(prompt), ""
+            else:
+                prompts.append((list(prompt), ""))
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        return await self._serve("completions", body, request, ids, text, max_tokens)
+        return await self._serve("completions", body, request, prompts, max_tokens)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(
         self, body: ChatCompletionRequest, request: Request
     ) -> JSONResponse | StreamingResponse:
-        messages = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text}
-            for m in body.messages
-        ]
-        text = self.tokenizer.render_chat(messages)
+        messages = template_messages(body, self.tokenizer.template_has_tools)
+        text = self.tokenizer.render_chat(messages, template_tools(body))
         ids = self.tokenizer.encode_chat(text)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # as much as fits, up to the limit
             room = self.args.engine.context_len - len(ids)
             max_tokens = max(1, min(self.args.max_tokens_limit, room))
-        return await self._serve("chat", body, request, ids, text, max_tokens)
+        return await self._serve("chat", body, request, [(ids, text)], max_tokens)
 
     async def _serve(
         self,
         kind: str,
         body: CompletionRequest | ChatCompletionRequest,
         request: Request,
-        ids: list[int],
-        text: str,
+        prompts: list[tuple[list[int], str]],
         max_tokens: int,
     ) -> JSONResponse | StreamingResponse:
         try:
-            engine_request = self.requests.build(body, request, ids, text, max_tokens)
-            response = await self._respond(body, kind, engine_request)
+            requests = self.requests.build(body, request, prompts, max_tokens)
+            response = await self._respond(body, kind, requests)
         except APIError as exc:
             api_metrics.REQUESTS.labels(kind, str(exc.status)).inc()
             raise
@@ -156,34 +169,49 @@ class Ingress:
         return response
 
     async def _respond(
-        self, body: CompletionRequest | ChatCompletionRequest, kind: str, request: EngineRequest
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        kind: str,
+        requests: list[EngineRequest],
     ) -> JSONResponse | StreamingResponse:
-        """Run a request in the engines, holding an admission slot until its stream is over."""
-        self.admission.enter()
-        release: Callable[[], None] | None = self.admission.leave
+        """Run a request's prompts in the engines, holding an admission slot for each until
+        its stream is over."""
+        self.admission.enter(len(requests))
+        release: Callable[[], None] | None = functools.partial(self.admission.leave, len(requests))
+        streams = [
+            EngineStream(self.engine, r, self.hasher.chain, self.args.max_resumes) for r in requests
+        ]
         try:
             start = time.monotonic()
-            stream = EngineStream(self.engine, request, self.hasher.chain, self.args.max_resumes)
-            first = await stream.first()
-            link.LINK.prefill_done(request.request_id)
+            firsts = await first_chunks(streams)
+            for r in requests:
+                link.LINK.prefill_done(r.request_id)
             api_metrics.TTFT.observe(time.monotonic() - start)
-            ids = request.prompt_token_ids
-            reply = Reply(kind, self.model_id, body, self.tokenizer, ids, first)
-            headers = {"x-replica-id": first.replica_id}
-            reason = link.LINK.reason(request.request_id)
-            if reason is not None:  # why the router sent it there (policy, costs)
-                headers["x-routing"] = reason
+            prompts = [r.prompt_token_ids for r in requests]
+            reply = Reply(kind, self.model_id, body, self.tokenizer, prompts, firsts)
+            headers = self._headers(requests[0].request_id, firsts)
             if body.stream:
+                events = reply.sse(streams, requests[0].request_id)
                 response = ReleasingStreamingResponse(
-                    reply.sse(stream), release, media_type="text/event-stream", headers=headers
+                    events, release, media_type="text/event-stream", headers=headers
                 )
-                release = None  # the response releases the slot when it is over
+                release = None  # the response releases the slots when it is over
                 return response
             try:
-                await reply.collect(stream)
+                await reply.collect(streams)
             finally:
-                stream.cancel()
+                for stream in streams:
+                    stream.cancel()
             return JSONResponse(reply.body(), headers=headers)
         finally:
             if release is not None:
                 release()
+
+    def _headers(self, request_id: str, firsts: list[RequestOutput]) -> dict[str, str]:
+        """Where the prompts ran and (first prompt) why the router sent it there."""
+        replicas = dict.fromkeys(first.replica_id for first in firsts)
+        headers = {"x-replica-id": ",".join(replicas), "x-request-id": request_id}
+        reason = link.LINK.reason(request_id)
+        if reason is not None:  # the policy and its costs
+            headers["x-routing"] = reason
+        return headers

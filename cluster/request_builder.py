@@ -11,6 +11,7 @@ from fastapi import Request
 
 from cluster.api.errors import APIError
 from cluster.api.models import ChatCompletionRequest, CompletionRequest
+from cluster.api.structured import structured_output
 from cluster.config import ClusterArgs
 from kvindex.hashing import BlockHasher
 from kvindex.records import RoutingRequest
@@ -28,9 +29,14 @@ class RequestBuilder:
         self.vocab = args.engine.shape.vocab_size
 
     def build(
-        self, body: Body, request: Request, ids: list[int], text: str, max_tokens: int
-    ) -> EngineRequest:
-        """The engine request for a body, or the API error that says why there is none."""
+        self,
+        body: Body,
+        request: Request,
+        prompts: list[tuple[list[int], str]],
+        max_tokens: int,
+    ) -> list[EngineRequest]:
+        """An engine request per prompt (ids, text), or the API error that says why there is
+        none: every prompt is checked before any is sent."""
         if body.model != self.model_id:
             raise APIError(
                 404,
@@ -38,11 +44,17 @@ class RequestBuilder:
                 code="model_not_found",
                 param="model",
             )
-        self._check_lengths(body, ids, max_tokens)
+        for ids, _ in prompts:
+            self._check_lengths(body, ids, max_tokens)
         salt = self.cache_salt(body, request)
+        params = self.sampling_params(body, max_tokens)
+        return [self._engine_request(ids, text, params, salt) for ids, text in prompts]
+
+    def _engine_request(
+        self, ids: list[int], text: str, params: SamplingParams, salt: str | None
+    ) -> EngineRequest:
         chain = self.hasher.chain(ids, salt)
         request_id = uuid.uuid4().hex
-        params = self.sampling_params(body, max_tokens)
         route = RoutingRequest(
             request_id=request_id,
             block_hashes=chain,
@@ -65,6 +77,13 @@ class RequestBuilder:
         stop_ids = body.stop_token_ids or []
         if any(t >= self.vocab for t in bias) or any(not 0 <= t < self.vocab for t in stop_ids):
             raise APIError(400, f"token ids must be in [0, {self.vocab})", param="logit_bias")
+        structured = structured_output(body)
+        if structured is not None and body.min_tokens:
+            raise APIError(
+                400,
+                "min_tokens: not supported with a response format or a required tool call",
+                param="min_tokens",
+            )
         if isinstance(body, CompletionRequest):
             logprobs, prompt_logprobs = body.logprobs, body.logprobs if body.echo else None
         else:
@@ -86,6 +105,7 @@ class RequestBuilder:
             logit_bias=bias,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            structured=structured,
         )
 
     def cache_salt(self, body: Body, request: Request) -> str | None:

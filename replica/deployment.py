@@ -96,6 +96,9 @@ class EngineReplica:
             cache_salt=request.cache_salt,
             output_token_ids=request.output_token_ids,
         )
+        structured = request.params.structured
+        if structured is not None:  # compiled (once per schema) off the engine's thread
+            await loop.run_in_executor(None, self.engine.grammars.compile, structured)
         await loop.run_in_executor(self._executor, add)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[rid] = queue

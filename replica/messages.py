@@ -18,7 +18,17 @@ class TokenLogprob:
 
 
 class InvalidRequestError(ValueError):
-    """A request the engine can never serve (the message says why); nothing was changed."""
+    """A request the engine can never serve; nothing was changed. ``message`` is written for
+    the client, ``param`` names the field at fault and ``code`` is OpenAI's error code (the
+    ingress renders exactly these, never the exception's text, which Ray decorates with a
+    traceback when it crosses from a replica)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+    def __reduce__(self) -> tuple[type, tuple[str, str | None, str | None]]:
+        return (InvalidRequestError, (self.message, self.param, self.code))
 
 
 @dataclass(frozen=True)

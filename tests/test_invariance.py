@@ -7,13 +7,14 @@ are first run one at a time with nothing cached. Every other way of running them
 the same tokens, and bitwise the same logits row behind every token: batched with prefills
 and decodes in one step, after another request cached their system prompt, chunked over many
 steps, resumed from an output position as a continuation, and preempted. Seeded sampling
-holds the same way. The kernel-level checks (a linear layer's row, an attention query) are in
-``test_kernels.py``.
+and replies held to a JSON schema hold the same way. The kernel-level checks (a linear
+layer's row, an attention query) are in ``test_kernels.py``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from replica.engine import Engine, EngineConfig, SamplingParams
 from replica.engine.scheduler import ScheduledBatch
 from replica.model.cpu import resolve_dtype
 from replica.model.runner import ModelRunner
+from replica.sampling.params import StructuredOutput
 
 NEW_TOKENS = 128
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -182,3 +184,33 @@ def test_seeded_sampling_is_invariant_too(runner, prompts, dtype) -> None:
     engine, digests = engine_with(runner, num_blocks=768)
     engine.generate([prompts[1]], SamplingParams(max_tokens=2))  # the system prompt cached
     assert_same(run(engine, digests, prompts[:4], params), solo)
+
+
+ANSWER = {  # a reply held to this schema: constrained decoding in the dtype served
+    "type": "object",
+    "properties": {"answer": {"type": "string", "maxLength": 60}, "sure": {"type": "boolean"}},
+    "required": ["answer", "sure"],
+}
+
+
+@pytest.mark.parametrize("dtype", [SERVED])
+def test_constrained_requests_are_invariant_too(runner, prompts, dtype) -> None:
+    """Held to a JSON schema, greedy and seeded: the same tokens and logits alone, batched
+    with the other prompts (after their system prompt was cached) and resumed halfway."""
+    structured = StructuredOutput(kind="json_schema", schema_text=json.dumps(ANSWER))
+    greedy = SamplingParams(max_tokens=48, structured=structured)
+    seeded = greedy.model_copy(update={"temperature": 0.8, "seed": 77})
+    cases = [(p, params) for p in prompts[:3] for params in (greedy, seeded)]
+    engine, digests = engine_with(runner, num_blocks=768, enable_prefix_cache=False)
+    solo = [run(engine, digests, [p], params)[0] for p, params in cases]
+    engine, digests = engine_with(runner, num_blocks=768)
+    engine.generate([prompts[1]], SamplingParams(max_tokens=2))
+    outs = engine.generate([p for p, _ in cases], [params for _, params in cases])
+    assert_same([(o.token_ids, digests.rows[o.request_id]) for o in outs], solo)
+    for i, ((p, params), (tokens, _)) in enumerate(zip(cases, solo, strict=True)):
+        engine.add_request(f"half{i}", p, params, output_token_ids=tokens[: len(tokens) // 2])
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
+    assert [finished[f"half{i}"] for i in range(len(cases))] == [t for t, _ in solo]
+    engine.check_invariants()

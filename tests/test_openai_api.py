@@ -1,18 +1,23 @@
 """The OpenAI API as clients use it, through the official SDK: n, logprobs, echo, penalties,
-logit bias, min_tokens, stop token ids; the OpenAPI document checked by schemathesis; and
+logit bias, min_tokens, stop token ids, batched prompts, replies held to a schema
+(``parse``), tool calls streamed and not; the OpenAPI document checked by schemathesis; and
 API keys that isolate each other's cached prefixes, on one replica."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from conftest import keep_logs, tiny
+from pydantic import BaseModel, Field
 
 from bench.harness.launcher import ServeCluster
 from bench.harness.redis_server import LocalRedis
@@ -23,6 +28,7 @@ from router.config import routing_config
 MODEL = "tiny-llama-6m"
 KEYS = ["sk-one", "sk-two"]
 PROMPT = "The weather in Lisbon tomorrow will be"
+HOOKS = Path(__file__).with_name("schemathesis_hooks.py")  # the rules the document words
 
 
 @pytest.fixture(scope="module")
@@ -195,9 +201,118 @@ def test_the_openapi_document_is_truthful(cluster: ServeCluster) -> None:
             "1",
             "--header",
             f"Authorization: Bearer {KEYS[0]}",
+            "--max-response-time",
+            "30",
         ],
+        env={**os.environ, "SCHEMATHESIS_HOOKS": str(HOOKS)},
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-12000:]
+
+
+def test_a_batch_of_prompts_gets_a_choice_per_prompt_and_n(client) -> None:
+    prompts = ["The sea", "A mountain", [65, 66, 67], ""]
+    kw = {"max_tokens": 5, "temperature": 1.0, "seed": 9, "extra_body": {"ignore_eos": True}}
+    reply = client.completions.create(model=MODEL, prompt=prompts, n=2, **kw)
+    assert sorted(c.index for c in reply.choices) == list(range(8))
+    texts = {c.index: c.text for c in reply.choices}
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, n=2, stream=True, **kw):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == texts
+    for i, prompt in enumerate(prompts):  # prompt i's choices are i * n + j, as alone
+        alone = client.completions.create(model=MODEL, prompt=prompt, n=2, **kw)
+        assert [texts[2 * i], texts[2 * i + 1]] == [c.text for c in alone.choices]
+    assert reply.usage.completion_tokens == 8 * 5
+    singles = [client.completions.create(model=MODEL, prompt=p, **kw) for p in prompts]
+    assert reply.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+
+
+class Person(BaseModel):
+    name: str = Field(min_length=1, max_length=6)
+    age: int = Field(ge=0, le=120)
+    ok: bool
+
+
+def test_the_sdk_parses_replies_held_to_a_pydantic_model(client) -> None:
+    for i in range(5):
+        reply = client.chat.completions.parse(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Person number {i}, as JSON."}],
+            response_format=Person,
+            max_tokens=64,
+            temperature=0.8,
+            seed=i,
+        )
+        assert isinstance(reply.choices[0].message.parsed, Person)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 8}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "clock"}}
+
+
+@pytest.mark.parametrize(
+    "tool_choice", [{"type": "function", "function": {"name": "weather"}}, "required"]
+)
+def test_a_required_tool_call_streams_and_not_with_valid_arguments(client, tool_choice) -> None:
+    kw = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "tools": [WEATHER, CLOCK],
+        "tool_choice": tool_choice,
+        "max_tokens": 64,
+        "temperature": 0,
+    }
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    (call,) = whole.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function"
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "weather":
+        jsonschema.validate(arguments, WEATHER["function"]["parameters"])
+    else:
+        assert tool_choice == "required" and call.function.name == "clock"
+    with client.chat.completions.stream(**kw) as stream:  # the SDK assembles the deltas
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls"
+    assert final.message.tool_calls[0].function.name == call.function.name
+    assert final.message.tool_calls[0].function.arguments == call.function.arguments
+
+
+def test_with_tool_choice_none_or_no_call_the_reply_is_content(client) -> None:
+    kw = {"model": MODEL, "max_tokens": 8, "temperature": 0, "tools": [WEATHER]}
+    messages = [{"role": "user", "content": "Hi"}]
+    plain = client.chat.completions.create(messages=messages, tool_choice="none", **kw)
+    assert plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].finish_reason in ("stop", "length")
+    # a conversation that carries an earlier call and its result back in
+    messages += [
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    after = client.chat.completions.create(messages=messages, **kw)
+    assert after.usage.prompt_tokens > plain.usage.prompt_tokens

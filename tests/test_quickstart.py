@@ -9,8 +9,10 @@ test redis-server, so the test never touches a cluster a person is running.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import io
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +22,7 @@ import openai
 import pytest
 import yaml
 from conftest import keep_logs
+from pydantic import BaseModel
 from streams import resumed, run_streams
 
 from bench.assistant_prompts import SUPPORT_SYSTEM_PROMPT
@@ -108,6 +111,73 @@ def test_bad_input_on_the_real_model_gets_an_openai_error(
     if code is not None:
         assert error["code"] == code
     assert "Traceback" not in resp.text
+
+
+class City(BaseModel):
+    name: str
+    country: str
+    population: int
+    coastal: bool
+
+
+CITIES = [
+    "Paris",
+    "Tokyo",
+    "Lagos",
+    "Lima",
+    "Oslo",
+    "Cairo",
+    "Sydney",
+    "Toronto",
+    "Mumbai",
+    "Berlin",
+    "Nairobi",
+    "Seoul",
+    "Madrid",
+    "Hanoi",
+    "Quito",
+    "Dublin",
+    "Perth",
+    "Dakar",
+    "Riga",
+    "Porto",
+]
+
+
+def test_parse_returns_a_validated_object_for_every_prompt(cluster: ServeCluster) -> None:
+    """The openai SDK's ``parse`` with a pydantic model: 20 prompts, every reply valid JSON of
+    that schema (decoding is held to it), concurrently over both replicas."""
+    client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="x", max_retries=0)
+
+    def ask(city: str) -> tuple[City | None, str]:
+        reply = client.chat.completions.parse(
+            model=SMOLLM2,
+            messages=[{"role": "user", "content": f"Describe the city of {city} as JSON."}],
+            response_format=City,
+            max_tokens=120,
+            temperature=0,
+        )
+        choice = reply.choices[0]
+        return choice.message.parsed, choice.finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(ask, CITIES))
+    for parsed, finish in replies:
+        assert finish == "stop" and isinstance(parsed, City)
+
+
+def test_json_object_replies_parse(cluster: ServeCluster) -> None:
+    client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="x", max_retries=0)
+    for topic in ("a book", "a dog", "the weather in Rome"):
+        reply = client.chat.completions.create(
+            model=SMOLLM2,
+            messages=[{"role": "user", "content": f"Give me a JSON object describing {topic}."}],
+            response_format={"type": "json_object"},
+            max_tokens=200,
+            temperature=0,
+        )
+        assert reply.choices[0].finish_reason == "stop"
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
 
 
 TOPICS = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.api.textstream import TextStream
+from cluster.api.choice import TextStream
 from replica.checkpoints import SMOLLM2, checkpoint_for
 from replica.checkpoints.tokenizer import ByteTokenizer, IncrementalDetokenizer, Tokenizer
 

@@ -1,8 +1,18 @@
-"""OpenAI-shaped errors: the exception the ingress raises and the handlers that render it."""
+"""OpenAI-shaped errors: the exception the ingress raises and the handlers that render it.
+
+Every error body is built here from a typed error: an ``APIError`` (status, type, code,
+param, a message written for the client). An exception from a replica is mapped by its type
+(``engine_error``): the engine's ``InvalidRequestError`` by its own fields, a replica that
+died or is gone as a 503. Nothing else is ever rendered from an exception's text: anything
+unexpected is a 500 with a generic message and a request id, and the server logs that id
+with the full traceback.
+"""
 
 from __future__ import annotations
 
+import logging
 import re
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,9 +45,33 @@ class APIError(Exception):
         self.param = param
         self.headers = headers
 
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
     def response(self) -> JSONResponse:
-        body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return JSONResponse({"error": body}, status_code=self.status, headers=self.headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+log = logging.getLogger("ray.serve")
+
+
+def internal_error(exc: BaseException, request_id: str | None = None) -> APIError:
+    """A 500 for the client (an id, no detail), the traceback in the server's log."""
+    request_id = request_id or uuid.uuid4().hex
+    log.error("internal error in request %s", request_id, exc_info=exc)
+    return APIError(
+        500,
+        f"The server had an internal error; it logged it as request {request_id}",
+        "server_error",
+        code="internal_error",
+    )
 
 
 async def _api_error_response(_: Request, exc: APIError) -> JSONResponse:
@@ -81,8 +115,8 @@ async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
     return APIError(exc.status_code, str(exc.detail), type_, headers=exc.headers).response()
 
 
-async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-    return APIError(500, "internal error", "server_error").response()
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    return internal_error(exc, request.headers.get("x-request-id")).response()
 
 
 def overloaded() -> APIError:
@@ -99,12 +133,17 @@ def replica_failed(message: str = "No engine replica could serve the request") -
     return APIError(503, f"{message}; retry", "server_error", code="replica_failed")
 
 
-def engine_error(exc: BaseException) -> APIError | None:
-    """The API error for what can go wrong before a request's first token, if any."""
-    if isinstance(exc, InvalidRequestError):
-        return APIError(400, str(exc))
-    if isinstance(exc, ray.exceptions.RayError):
+def engine_error(exc: BaseException, request_id: str) -> APIError | None:
+    """The API error for a request's failure in the engines, by type: what the replica
+    raised (Ray wraps it, with the replica's traceback in its text, which is never shown),
+    or Ray's own failure (a replica gone). None for a cancellation, which is no error."""
+    cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
+    if isinstance(cause, InvalidRequestError):
+        return APIError(400, cause.message, code=cause.code, param=cause.param)
+    if isinstance(cause, ray.exceptions.RayError):
         return replica_failed()
+    if isinstance(cause, Exception):
+        return internal_error(cause, request_id)
     return None
 
 

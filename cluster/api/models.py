@@ -14,10 +14,12 @@ from typing import Annotated, Any, Literal
 from annotated_types import Ge, Le
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from cluster.api.formats import MAX_TOOLS, NamedToolChoice, ResponseFormat, Tool, ToolCall
 from replica.sampling.params import MAX_LOGPROBS, MAX_N
 
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
+MAX_PROMPTS = 32  # prompts in one completions request
 
 
 def _integral(value: Any) -> Any:
@@ -50,11 +52,25 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(
+        None, description="required but where an assistant message has tool_calls"
+    )
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant messages only")
+    tool_call_id: str | None = Field(None, description="tool messages: the call answered")
+
+    @model_validator(mode="after")
+    def _check_role_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("messages: only an assistant message has tool_calls")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("messages: content is required (but with tool_calls)")
+        return self
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
@@ -98,6 +114,9 @@ class _CommonRequest(BaseModel):
     cache_salt: str | None = Field(
         None, min_length=1, max_length=256, description="isolates a tenant's cached blocks"
     )
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object, or json_schema: decoding held to the format"
+    )
 
     @property
     def stop_list(self) -> list[str]:
@@ -106,12 +125,19 @@ class _CommonRequest(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
 class CompletionRequest(_CommonRequest):
     prompt: (
         str
-        | Annotated[list[TokenId], Field(min_length=1)]
-        | Annotated[list[str], Field(min_length=1, max_length=1)]
-    ) = Field(description="text, token ids, or a list holding one text")
+        | TokenIds
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    ) = Field(
+        description="a text, token ids, or a batch of either (one choice per prompt and n; "
+        "an empty text starts from the model's document boundary)"
+    )
     echo: bool = Field(False, description="the prompt before the completion (and its logprobs)")
     logprobs: Annotated[int, Ge(0), Le(MAX_LOGPROBS), INTEGRAL] | None = Field(
         None, description="alternatives"
@@ -134,6 +160,18 @@ class CompletionRequest(_CommonRequest):
             raise ValueError("suffix: not supported")
         return self
 
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: every prompt, a text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]  # type: ignore[list-item]
+        return list(prompt)  # type: ignore[arg-type]
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts)
+
 
 class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -144,3 +182,35 @@ class ChatCompletionRequest(_CommonRequest):
     top_logprobs: Annotated[int, Ge(0), Le(MAX_LOGPROBS), INTEGRAL] | None = Field(
         None, description="alternatives (ignored without logprobs)"
     )
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="functions the model may call"
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: auto with tools, none without"
+    )
+    parallel_tool_calls: bool | None = Field(None, description="accepted: one call per reply")
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise ValueError("tool_choice: needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: no tool is named {choice.function.name!r}")
+        constrained = self.tool_mode in ("required", "named")
+        fmt = self.response_format
+        if constrained and fmt is not None and fmt.type != "text":
+            raise ValueError("response_format: not with tool_choice required or named")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required, or named."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice

@@ -32,6 +32,7 @@ _ERRORS = {
     "the context (code context_length_exceeded)",
     "401": "Missing or wrong API key (when the server has keys)",
     "404": "The model is not the one served (code model_not_found)",
+    "413": "The body is over the server's max_request_bytes (code request_too_large)",
     "500": "Internal error (never a stack trace)",
     "503": "Overloaded (code overloaded, with retry-after) or no replica could serve the "
     "request (code replica_failed)",
@@ -44,8 +45,8 @@ _SSE_EVENT = {
 }
 # which statuses each operation can return besides 200
 _STATUSES = {
-    ("post", "/v1/completions"): ("400", "401", "404", "500", "503"),
-    ("post", "/v1/chat/completions"): ("400", "401", "404", "500", "503"),
+    ("post", "/v1/completions"): ("400", "401", "404", "413", "500", "503"),
+    ("post", "/v1/chat/completions"): ("400", "401", "404", "413", "500", "503"),
     ("get", "/v1/models"): ("401", "500"),
     ("get", "/metrics"): ("401", "500"),
     ("get", "/cluster/stats"): ("401", "500"),
@@ -110,8 +111,9 @@ def _model_bounds(components: dict[str, Any], vocab_size: int, max_tokens_limit:
                 if branch.get("type") == "integer":
                     branch["maximum"] = max_tokens_limit
         token_lists = [props["stop_token_ids"]["anyOf"][0]]
-        if "prompt" in props:
-            token_lists.append(props["prompt"]["anyOf"][1])
+        if "prompt" in props:  # token ids, and a batch of them
+            branches = props["prompt"]["anyOf"]
+            token_lists += [branches[1], branches[3]["items"]]
         for array in token_lists:
             assert array["items"]["type"] == "integer", array
             array["items"]["maximum"] = vocab_size - 1

@@ -1,28 +1,50 @@
-"""OpenAI response bodies, whole or as server-sent events, built from engine chunks."""
+"""OpenAI response bodies, whole or as server-sent events, built from engine chunks.
+
+A completions request may hold a batch of prompts: each prompt is an engine request of its
+own (they batch and share cached prefixes like any others), and choice ``j`` of prompt ``i``
+is choice ``i * n + j`` of the reply, as OpenAI numbers them. ``usage`` sums the prompts.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi.responses import StreamingResponse
 
 from cluster.api import metrics as api_metrics
 from cluster.api.choice import Choice, TokenLogprobs
-from cluster.api.errors import APIError
+from cluster.api.errors import APIError, internal_error
 from cluster.api.logprob_format import chat_logprobs, completion_logprobs
 from cluster.api.models import ChatCompletionRequest, CompletionRequest
+from cluster.api.tools import ToolCallStream
 from cluster.engine_stream import EngineStream
 from replica.checkpoints.tokenizer import IncrementalDetokenizer, Tokenizer
 from replica.messages import RequestOutput
 
+log = logging.getLogger("ray.serve")
+T = TypeVar("T")
+
+
+class Prompt:
+    """One prompt of a reply: its ids, how many were cached, its echo and prompt logprobs."""
+
+    def __init__(self, ids: list[int], first: RequestOutput, echo_text: str) -> None:
+        self.ids = ids
+        self.first = first
+        self.num_cached = first.num_cached_tokens
+        self.echo_text = echo_text
+        self.logprobs: TokenLogprobs = []
+
 
 class Reply:
     """Builds the OpenAI response (whole or as server-sent events) from engine chunks: one
-    ``Choice`` per choice, the prompt counted once in ``usage``."""
+    ``Choice`` per prompt and choice, each prompt counted once in ``usage``."""
 
     def __init__(
         self,
@@ -30,104 +52,109 @@ class Reply:
         model: str,
         body: CompletionRequest | ChatCompletionRequest,
         tokenizer: Tokenizer,
-        prompt_ids: list[int],
-        first: RequestOutput,
+        prompts: list[list[int]],
+        firsts: list[RequestOutput],
     ) -> None:
         self.kind, self.model, self.request = kind, model, body
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.token_text = tokenizer.token_text
-        self.prompt_ids = prompt_ids
-        self.num_cached = first.num_cached_tokens
         echo = isinstance(body, CompletionRequest) and body.echo
-        self.echo_text = tokenizer.decode(prompt_ids) if echo else ""
+        self.prompts = [
+            Prompt(ids, first, tokenizer.decode(ids) if echo else "")
+            for ids, first in zip(prompts, firsts, strict=True)
+        ]
+        score_only = isinstance(body, CompletionRequest) and body.max_tokens == 0
         self.choices = [
             Choice(
-                i,
-                IncrementalDetokenizer(tokenizer, prompt_ids),
+                p * body.n + j,
+                IncrementalDetokenizer(tokenizer, prompt.ids),
                 body.stop_list,
                 body.stop_token_ids or (),
-                score_only=isinstance(body, CompletionRequest) and body.max_tokens == 0,
+                score_only=score_only,
+                calls=_tool_calls(body),
+                chat=kind == "chat",
             )
-            for i in range(body.n)
+            for p, prompt in enumerate(self.prompts)
+            for j in range(body.n)
         ]
-        self.prompt_logprobs: TokenLogprobs = []
-        self._first = first
 
-    async def _events(self, stream: EngineStream) -> AsyncIterator[tuple[Choice, str, Any]]:
-        """(choice, new text, new tokens' logprobs) until every choice has finished."""
-        chunks = self._engine_chunks(stream)
-        async for chunk in chunks:
+    async def _events(self, streams: list[EngineStream]) -> AsyncIterator[tuple[Choice, Any]]:
+        """(choice, (new text, its logprobs)) until every choice has finished."""
+        sources = [_chunks(p.first, s) for p, s in zip(self.prompts, streams, strict=True)]
+        async for p, chunk in merge(sources):
+            prompt = self.prompts[p]
             if chunk.prompt_logprobs is not None:
-                self.prompt_logprobs = list(
-                    zip(self.prompt_ids, chunk.prompt_logprobs, strict=True)
-                )
-            choice = self.choices[chunk.index]
+                prompt.logprobs = list(zip(prompt.ids, chunk.prompt_logprobs, strict=True))
+            choice = self.choices[p * self.request.n + chunk.index]
             piece, logprobs = choice.push(chunk)
             if piece or logprobs or choice.finished:
-                yield choice, piece, logprobs
+                yield choice, (piece, logprobs)
             if all(c.finished for c in self.choices):
                 self._account()
                 return
 
-    async def _engine_chunks(self, stream: EngineStream) -> AsyncIterator[RequestOutput]:
-        yield self._first
-        async for chunk in stream.rest():
-            yield chunk
-
-    async def collect(self, stream: EngineStream) -> None:
-        async for _ in self._events(stream):
+    async def collect(self, streams: list[EngineStream]) -> None:
+        async for _ in self._events(streams):
             pass
 
-    async def sse(self, stream: EngineStream) -> AsyncIterator[str]:
+    async def sse(self, streams: list[EngineStream], request_id: str) -> AsyncIterator[str]:
         try:
             for choice in self.choices:  # the role (chat), or the echoed prompt
+                prompt = self._prompt_of(choice)
                 if self.kind == "chat":
                     yield _sse(self._chunk(choice, {"role": "assistant", "content": ""}, None))
-                elif self.echo_text or self.prompt_logprobs:
-                    yield _sse(self._chunk(choice, self.echo_text, self.prompt_logprobs))
-            async for choice, piece, logprobs in self._events(stream):
-                yield _sse(self._chunk(choice, piece, logprobs, choice.finish_reason))
+                elif prompt.echo_text or prompt.logprobs:
+                    yield _sse(self._chunk(choice, prompt.echo_text, prompt.logprobs))
+            async for choice, (piece, logprobs) in self._events(streams):
+                chat = self.kind == "chat"
+                deltas: list[Any] = choice.deltas() if chat else [piece] if piece else []
+                if logprobs and not deltas:  # a partial character: its logprobs still go
+                    deltas = [{} if chat else ""]
+                for delta in deltas:
+                    yield _sse(self._chunk(choice, delta, logprobs))
+                    logprobs = None
+                if choice.finished:
+                    yield _sse(self._chunk(choice, None, None, choice.finish_reason))
             options = self.request.stream_options
             if options is not None and options.include_usage:
                 yield _sse({**self._envelope(), "choices": [], "usage": self.usage()})
-            yield "data: [DONE]\n\n"
         except APIError as exc:  # no replica could take the stream over
-            error = {"message": exc.message, "type": exc.type, "code": exc.code}
-            yield _sse({"error": error})
-            yield "data: [DONE]\n\n"
+            yield _sse(exc.body())
+        except Exception as exc:  # a bug: the client gets an id the log has, never a trace
+            yield _sse(internal_error(exc, request_id).body())
         finally:  # a stop string or a gone client ends the stream early
-            stream.cancel()
+            for stream in streams:
+                stream.cancel()
+        yield "data: [DONE]\n\n"
 
     def usage(self) -> dict[str, Any]:
         completion = sum(c.tokens for c in self.choices)
-        prompt = len(self.prompt_ids)
+        prompt = sum(len(p.ids) for p in self.prompts)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": self.num_cached},
+            "prompt_tokens_details": {"cached_tokens": sum(p.num_cached for p in self.prompts)},
         }
 
     def body(self) -> dict[str, Any]:
         choices = []
         for c in self.choices:
-            logprobs = self._logprobs(self.prompt_logprobs + c.logprobs, c)
+            prompt = self._prompt_of(c)
+            logprobs = self._logprobs(prompt.logprobs + c.logprobs)
             if self.kind == "chat":
-                content = {"message": {"role": "assistant", "content": c.text.text}}
+                content = {"message": c.message()}
             else:
-                content = {"text": self.echo_text + c.text.text}
-            choices.append(
-                {
-                    "index": c.index,
-                    **content,
-                    "finish_reason": c.finish_reason,
-                    "logprobs": logprobs,
-                }
-            )
+                content = {"text": prompt.echo_text + c.text.text}
+            entry = {"index": c.index, **content, "finish_reason": c.finish_reason}
+            choices.append({**entry, "logprobs": logprobs})
         return {**self._envelope(final=True), "choices": choices, "usage": self.usage()}
 
-    def _logprobs(self, entries: TokenLogprobs, choice: Choice) -> dict[str, Any] | None:
+    def _prompt_of(self, choice: Choice) -> Prompt:
+        return self.prompts[choice.index // self.request.n]
+
+    def _logprobs(self, entries: TokenLogprobs) -> dict[str, Any] | None:
         if not self._wants_logprobs():
             return None
         if self.kind == "chat":
@@ -148,27 +175,77 @@ class Reply:
     def _chunk(
         self,
         choice: Choice,
-        piece: str | dict[str, str],
+        delta: str | dict[str, Any] | None,
         logprobs: TokenLogprobs | None,
         finish: str | None = None,
     ) -> dict[str, Any]:
-        formatted = self._logprobs(logprobs, choice) if logprobs else None
+        """One event of one choice: a delta (chat) or a text piece (completions); ``None``
+        with ``finish``: the choice's last event."""
+        formatted = self._logprobs(logprobs) if logprobs else None
         if self.kind == "chat":
-            delta = piece if isinstance(piece, dict) else {"content": piece}
-            body = {"delta": delta}
+            body = {"delta": delta if isinstance(delta, dict) else {}}
         else:
-            body = {"text": piece}
+            body = {"text": delta or ""}
         entry = {"index": choice.index, **body, "finish_reason": finish, "logprobs": formatted}
         return {**self._envelope(), "choices": [entry]}
 
     def _account(self) -> None:
-        api_metrics.PROMPT_TOKENS.inc(len(self.prompt_ids))
-        api_metrics.CACHED_TOKENS.inc(self.num_cached)
+        api_metrics.PROMPT_TOKENS.inc(sum(len(p.ids) for p in self.prompts))
+        api_metrics.CACHED_TOKENS.inc(sum(p.num_cached for p in self.prompts))
         api_metrics.COMPLETION_TOKENS.inc(sum(c.tokens for c in self.choices))
 
 
+def _tool_calls(body: CompletionRequest | ChatCompletionRequest) -> ToolCallStream | None:
+    if not isinstance(body, ChatCompletionRequest) or body.tool_mode == "none":
+        return None
+    choice = body.tool_choice
+    named = None if isinstance(choice, str) or choice is None else choice.function.name
+    return ToolCallStream(body.tool_mode, body.tools or [], named)
+
+
+async def _chunks(first: RequestOutput, stream: EngineStream) -> AsyncIterator[RequestOutput]:
+    yield first
+    async for chunk in stream.rest():
+        yield chunk
+
+
+async def merge(sources: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """The items of several async iterators as they come, each with its source's index; the
+    first error of any source is raised (the others are then cancelled)."""
+    if len(sources) == 1:
+        async for item in sources[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, source: AsyncIterator[T]) -> None:
+        try:
+            async for item in source:
+                queue.put_nowait((i, item, None))
+        except Exception as exc:
+            queue.put_nowait((i, None, exc))
+            return
+        queue.put_nowait((i, done, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(sources)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is done:
+                remaining -= 1
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 class ReleasingStreamingResponse(StreamingResponse):
-    """Releases the admission slot once the stream is over, whether it ended or the client
+    """Releases the admission slots once the stream is over, whether it ended or the client
     went away (Starlette always calls the response it was handed)."""
 
     def __init__(

@@ -20,9 +20,12 @@ class Tokenizer(Protocol):
 
     vocab_size: int
     stop_token_ids: tuple[int, ...]  # EOS and the end-of-turn tokens
+    template_has_tools: bool  # the chat template renders a list of tools itself
 
     def encode(self, text: str) -> list[int]:
-        """A prompt's ids, with whatever the model puts first (a BOS token, if any)."""
+        """A prompt's ids, with whatever the model puts first (a BOS token, if any); never
+        empty: an empty text is the model's document boundary alone (as OpenAI's models
+        start an empty prompt at ``<|endoftext|>``)."""
         ...
 
     def encode_chat(self, text: str) -> list[int]:
@@ -33,9 +36,11 @@ class Tokenizer(Protocol):
         """Text of ``token_ids``, special tokens left out."""
         ...
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+    def render_chat(
+        self, messages: Sequence[Mapping[str, str]], tools: list[dict] | None = None
+    ) -> str:
         """The prompt for a conversation (``role``/``content``), ending where the
-        assistant's reply begins."""
+        assistant's reply begins; ``tools`` only where ``template_has_tools``."""
         ...
 
     def token_text(self, token_id: int) -> str:
@@ -55,6 +60,7 @@ class ByteTokenizer:
     bos_token_id = 256
     eos_token_id = 257
     stop_token_ids = (257,)
+    template_has_tools = False
 
     def encode(self, text: str) -> list[int]:
         return [self.bos_token_id, *text.encode("utf-8", errors="surrogatepass")]
@@ -65,7 +71,9 @@ class ByteTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+    def render_chat(
+        self, messages: Sequence[Mapping[str, str]], tools: list[dict] | None = None
+    ) -> str:
         parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
         return "".join(parts) + "<|assistant|>\n"
 
@@ -94,16 +102,27 @@ class HFTokenizer:
         vocab = self._tok.get_vocab()
         stops = {self._tok.eos_token_id, *(vocab[t] for t in END_TOKENS if t in vocab)}
         self.stop_token_ids = tuple(sorted(t for t in stops if t is not None))
+        self.template_has_tools = "tools" in str(self._tok.chat_template)
+        starts = (vocab.get("<|endoftext|>"), self._tok.bos_token_id, self._tok.eos_token_id)
+        self.document_start_id = next(t for t in starts if t is not None)
+
+    @property
+    def hf(self) -> Any:
+        """The transformers tokenizer itself (for xgrammar's vocabulary)."""
+        return self._tok
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=True))
+        return list(self._tok.encode(text, add_special_tokens=True)) or [self.document_start_id]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=True)
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+    def render_chat(
+        self, messages: Sequence[Mapping[str, str]], tools: list[dict] | None = None
+    ) -> str:
+        extra = {"tools": tools} if tools and self.template_has_tools else {}
         return self._tok.apply_chat_template(
-            [dict(m) for m in messages], add_generation_prompt=True, tokenize=False
+            [dict(m) for m in messages], add_generation_prompt=True, tokenize=False, **extra
         )
 
     def encode_chat(self, text: str) -> list[int]:

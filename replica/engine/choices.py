@@ -35,6 +35,7 @@ def fork_choices(
         child.first_token_time = parent.first_token_time
         child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
         child.num_computed_tokens = parent.num_prompt_tokens
+        child.grammar = parent.grammar.fresh() if parent.grammar is not None else None
         sample = sampler.sample_one(row, child)
         if scheduler.block_manager.fork(parent, child):
             scheduler.add_running(child)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from replica.checkpoints import checkpoint_for
 from replica.config import EngineConfig
 from replica.engine.audit import check_block_accounting
 from replica.engine.block_manager import BlockManager
@@ -24,6 +25,7 @@ from replica.engine.sequence import Sequence, SequenceStatus
 from replica.engine.stats import EngineMetrics, EngineStats
 from replica.messages import InvalidRequestError, RequestOutput
 from replica.model.runner import ModelRunner
+from replica.sampling.grammar import Grammars
 from replica.sampling.params import SamplingParams
 from replica.sampling.sampler import Sample, Sampler, record_prompt_logprobs
 
@@ -57,6 +59,11 @@ class Engine:
         self.clock = clock
         self._eos_token_ids = frozenset(config.shape.eos_token_ids)
         self.sampler = Sampler(config.seed, config.shape.eos_token_ids)
+        self.grammars = Grammars(
+            lambda: checkpoint_for(config.model).tokenizer(),
+            config.shape.vocab_size,
+            tuple(config.shape.eos_token_ids),
+        )
         self.metrics = EngineMetrics()
         self._seqs: dict[str, Sequence] = {}
         self._choices: dict[str, list[str]] = {}  # request -> its choices 1..n-1
@@ -85,6 +92,11 @@ class Engine:
         if request_id in self._seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         check_request(self.config, tokens, params, outputs)
+        grammar = None
+        if params.structured is not None:
+            grammar = self.grammars.state(params.structured, self.config.shape.vocab_size)
+            for token in outputs:  # resuming: where the grammar was when the replica died
+                grammar.accept(token)
         seq = Sequence(
             request_id,
             tokens + outputs,
@@ -93,6 +105,7 @@ class Engine:
             self.clock() if arrival_time is None else arrival_time,
         )
         seq.num_prompt_tokens = len(tokens)
+        seq.grammar = grammar
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -237,14 +250,7 @@ class Engine:
         elif seq.last_token_time is not None:  # (a forked choice's first token has none)
             m.itl_s.append(now - seq.last_token_time)
         seq.last_token_time = now
-        seq.token_ids.append(token)
-        params = seq.params
-        if token in params.stop_token_ids or (
-            token in self._eos_token_ids and not params.ignore_eos
-        ):
-            seq.finish_reason = "stop"
-        elif seq.num_output_tokens >= params.max_tokens:
-            seq.finish_reason = "length"
+        seq.finish_reason = self._commit(seq, token)
         if seq.finish_reason is not None:
             seq.status = SequenceStatus.FINISHED
             self.scheduler.remove(seq)
@@ -263,6 +269,21 @@ class Engine:
             logprobs=None if sample.logprob is None else [sample.logprob],
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _commit(self, seq: Sequence, token: int) -> str | None:
+        """Append ``token`` to ``seq`` (its grammar too); why the sequence ends there, if it
+        does: its grammar complete, a stop token, EOS (unless ignored), or ``max_tokens``."""
+        seq.token_ids.append(token)
+        params = seq.params
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
+            if seq.grammar.complete:
+                return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if token in self._eos_token_ids and not params.ignore_eos:
+            return "stop"
+        return "length" if seq.num_output_tokens >= params.max_tokens else None
 
     def _emit_events(self) -> None:
         cache = self.block_manager.prefix_cache

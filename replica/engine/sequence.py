@@ -40,6 +40,7 @@ class Sequence:
     index: int = 0  # which choice of its request (n > 1)
     parent_id: str = ""  # the request's id (a choice i > 0 has its own, "<id>#i")
     prompt_logprobs: list[Any] | None = None  # collected chunk by chunk, when asked for
+    grammar: Any = None  # a GrammarState, for a request held to a format
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_reason: str | None = None

@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_LOGPROBS = 20  # alternatives per position, as OpenAI allows
 MAX_N = 16
+
+
+class StructuredOutput(BaseModel):
+    """The format decoding is held to (``replica.sampling.grammar``): any JSON object, or
+    JSON that a schema (as JSON text) accepts."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["json_object", "json_schema"]
+    schema_text: str | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> StructuredOutput:
+        if (self.kind == "json_schema") != (self.schema_text is not None):
+            raise ValueError("schema_text: required for json_schema, and only for it")
+        return self
 
 
 class SamplingParams(BaseModel):
@@ -20,7 +38,8 @@ class SamplingParams(BaseModel):
     ``min_tokens`` act on the logits as ``replica.sampling.logits_processing`` says; ``logprobs``
     (0-20 alternatives) reports the raw log-probability of each sampled token, and
     ``prompt_logprobs`` those of the prompt's tokens (the prompt is then computed whole,
-    never served from the prefix cache, whose blocks hold no logits).
+    never served from the prefix cache, whose blocks hold no logits). ``structured`` holds
+    the output to a JSON format; the request ends when its grammar does.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -39,6 +58,7 @@ class SamplingParams(BaseModel):
     logit_bias: dict[int, float] = Field(default_factory=dict)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    structured: StructuredOutput | None = None
 
     def for_choice(self, index: int) -> SamplingParams:
         """The parameters of choice ``index`` of an ``n`` > 1 request, as a request of its

@@ -7,7 +7,8 @@ after any number of earlier steps, and on any replica: a stream resumed on anoth
 after its replica died continues exactly where it left off. The seed is ``params.seed``
 (any integer, taken modulo 2**63); without one, the engine seed and the request id (the
 ingress always assigns a seed, so its resumes reproduce). Logits are first processed by the
-request's parameters (``replica.sampling.logits_processing``); logprobs come from the raw logits.
+request's parameters (``replica.sampling.logits_processing``), after the grammar's mask for a
+request held to a format (``replica.sampling.grammar``); logprobs come from the raw logits.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class Sample:
 
 def _plain_greedy(seq: Sequence) -> bool:
     p = seq.params
-    return p.temperature < MIN_TEMPERATURE and p.logprobs is None and not needs_processing(p)
+    plain = p.temperature < MIN_TEMPERATURE and p.logprobs is None and not needs_processing(p)
+    return plain and seq.grammar is None
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -86,10 +88,10 @@ class Sampler:
 
     def sample_one(self, logits: torch.Tensor, seq: Sequence) -> Sample:
         params = seq.params
-        processed = logits
+        processed = logits if seq.grammar is None else seq.grammar.mask(logits)
         if needs_processing(params):
             prompt, output = seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids
-            processed = process_logits(logits, params, prompt, output, self.end_token_ids)
+            processed = process_logits(processed, params, prompt, output, self.end_token_ids)
         if params.temperature >= MIN_TEMPERATURE:
             token = self._draw(processed, seq)
         else:

@@ -1,0 +1,118 @@
+"""``structured``: what holding replies to a JSON schema costs the engine.
+
+One engine (the served model and dtype, ``--threads``), a batch of ``--batch`` chat prompts
+decoding ``--tokens`` tokens each, EOS ignored, greedy, prefix cache emptied before every run:
+all free, a mix (every other request held to a JSON schema), and all held. Output tokens/s
+of each, the runs alternated (A B C C B A ...) and repeated; medians with min and max, and
+each run's ratio to the all-free run beside it. Held requests cannot ignore the end of their
+schema (it ends them), so the schema is open-ended (an array of strings) to keep them decoding
+about as long; tokens/s counts the tokens each run actually produced.
+
+Also the first-request costs on a fresh engine: building the grammar vocabulary from the
+tokenizer (once per replica), compiling a schema the first time, and the cached lookup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from bench.experiments.speed import workload
+from replica.checkpoints import SMOLLM2, checkpoint_for
+from replica.engine import Engine, EngineConfig, SamplingParams
+from replica.sampling.params import StructuredOutput
+
+# open-ended, so a held request runs as long as a free one
+LIST = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}}}
+RECORD = {  # a typical extraction schema, for the compile times
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "email": {"type": "string", "pattern": "^[a-z.]+@[a-z]+\\.[a-z]{2,3}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["new", "vip", "churned"]}},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+    "required": ["name", "email", "age"],
+    "additionalProperties": False,
+}
+MIXES = ("free", "mixed", "held")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=SMOLLM2)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=4)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    checkpoint = checkpoint_for(args.model)
+    prompts = workload(checkpoint.tokenizer(), 16, [args.batch])["chats"]
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        num_blocks=2048,
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=512,
+    )
+    result: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "threads": args.threads}
+    result["first_request"] = _first_request_costs(config)
+    engine = Engine(config)
+    held = StructuredOutput(kind="json_schema", schema_text=json.dumps(LIST))
+    free = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
+    constrained = free.model_copy(update={"structured": held})
+    mixes = {
+        "free": [free] * args.batch,
+        "mixed": [free if i % 2 else constrained for i in range(args.batch)],
+        "held": [constrained] * args.batch,
+    }
+    engine.generate(prompts[:2], [free, constrained])  # warm: kernels, the grammar compiled
+    rates: dict[str, list[float]] = {mix: [] for mix in MIXES}
+    for rep in range(args.repeats):
+        for mix in MIXES if rep % 2 == 0 else MIXES[::-1]:
+            engine.reset_prefix_cache()
+            start = time.perf_counter()
+            outputs = engine.generate(prompts, mixes[mix])
+            tokens = sum(len(o.token_ids) for o in outputs)  # a held reply may end early
+            rates[mix].append(tokens / (time.perf_counter() - start))
+    for mix in MIXES:
+        result[f"output_tokens_per_s_{mix}"] = _summary(rates[mix])
+        ratios = [a / b for a, b in zip(rates[mix], rates["free"], strict=True)]
+        result[f"{mix}_over_free"] = _summary(ratios)
+    result["conditions"] = {"batch": args.batch, "tokens": args.tokens, "repeats": args.repeats}
+    return result
+
+
+def _first_request_costs(config: EngineConfig) -> dict[str, float]:
+    """Seconds a fresh engine spends before its first held request: the grammar vocabulary
+    (once per replica), then the schema's compile, then the cached lookup."""
+    engine = Engine(config)
+    spec = StructuredOutput(kind="json_schema", schema_text=json.dumps(RECORD))
+    start = time.perf_counter()
+    engine.grammars.compile(StructuredOutput(kind="json_object"))
+    vocabulary = time.perf_counter() - start
+    start = time.perf_counter()
+    engine.grammars.compile(spec)
+    compile_s = time.perf_counter() - start
+    start = time.perf_counter()
+    engine.grammars.compile(spec)
+    cached = time.perf_counter() - start
+    return {"vocabulary_and_json_object_s": vocabulary, "compile_s": compile_s, "cached_s": cached}
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
