@@ -22,34 +22,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import shutil
-import signal
 import statistics
 import subprocess
-import tempfile
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-import yaml
-
-from bench.harness.launcher import REPO, ServeCluster
+from bench.harness.launcher import REPO
 from bench.harness.memory import replica_memory
-from bench.harness.redis_server import LocalRedis, free_port
-from bench.peers.engines import (
-    DEFAULT_VLLM_VENV,
-    ensure_hf_folder,
-    ensure_vllm_venv,
-    revision_tree,
-)
-from cluster.config import ClusterArgs
-from kvindex.config import IndexConfig
+from bench.harness.stacks import Running, ours
+from bench.peers.engines import DEFAULT_VLLM_VENV, ensure_hf_folder, ensure_vllm_venv
+from bench.peers.ray_llm_stack import ray_llm
 from replica.checkpoints import SMOLLM2, checkpoint_for
 
 PEERS = Path(__file__).resolve().parents[1] / "peers"
@@ -70,17 +52,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV)
     parser.add_argument("--work-dir", type=Path, default=REPO / "results" / "stack")
-
-
-@dataclass
-class Running:
-    """A started stack: where it answers and how to read its cache counters."""
-
-    base_url: str
-    startup_s: float
-    replica_title: str
-    cache_counters: Callable[[], tuple[float, float]]  # (prompt tokens, of which cached)
-    notes: dict[str, Any] = field(default_factory=dict)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -175,128 +146,10 @@ def _bench_serve(
 
 def _start(name: str, args: argparse.Namespace, python: Path, hf: Path, cold: bool) -> Any:
     if name == "ray-llm":
-        return _ray_llm(args, python, hf, cold)
+        return ray_llm(python, hf, args.work_dir, cold)
     if name == "ours" or name.startswith("rev:"):
-        return _ours(args, name, cold)
+        return ours(name, cold)
     raise SystemExit(f"unknown stack {name!r}: ours, ray-llm or rev:<git rev>")
-
-
-@contextmanager
-def _ours(args: argparse.Namespace, name: str, cold: bool) -> Iterator[Running]:
-    """``make serve``'s cluster: the repo's ``deploy/config.yaml`` with only the ports
-    changed (a private redis-server for the index). Cold: the kernels not yet built."""
-    repo = REPO if name == "ours" else revision_tree(name.removeprefix("rev:"))
-    config = yaml.safe_load((repo / "deploy" / "config.yaml").read_text())
-    app_args = config["applications"][0]["args"]
-    kernels = Path(tempfile.mkdtemp(prefix="kernels-")) if cold else None
-    saved = os.environ.get("PREFIX_SERVE_KERNEL_DIR")
-    with LocalRedis() as redis:
-        app_args["index"] = {**app_args.get("index", {}), "url": redis.url, "cluster": "stack"}
-        current = ClusterArgs(  # what readiness reads: the index and the replica count
-            num_replicas=app_args.get("num_replicas", 2),
-            engine={"model": SMOLLM2},
-            index=IndexConfig(url=redis.url, cluster="stack"),
-        )
-        if kernels is not None:
-            os.environ["PREFIX_SERVE_KERNEL_DIR"] = str(kernels)
-        cluster = ServeCluster(current, repo=repo, app_args=app_args)
-        try:
-            start = time.monotonic()
-            cluster.start(timeout_s=900)
-            startup = time.monotonic() - start
-            yield Running(cluster.base_url, startup, "EngineReplica", _our_counters(cluster))
-        finally:
-            cluster.stop()
-            _restore("PREFIX_SERVE_KERNEL_DIR", saved)
-            if kernels is not None:
-                shutil.rmtree(kernels, ignore_errors=True)
-
-
-def _restore(name: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-
-
-def _our_counters(cluster: ServeCluster) -> Callable[[], tuple[float, float]]:
-    def read() -> tuple[float, float]:
-        text = httpx.get(f"{cluster.base_url}/metrics", timeout=10).text
-        return (
-            _counter(text, "prefix_serve_prompt_tokens_total"),
-            _counter(text, "prefix_serve_cached_prompt_tokens_total"),
-        )
-
-    return read
-
-
-def _counter(text: str, name: str) -> float:
-    """The sum of a Prometheus counter's samples (every label set) in an exposition."""
-    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.M)
-    return sum(float(v) for v in pattern.findall(text))
-
-
-@contextmanager
-def _ray_llm(args: argparse.Namespace, python: Path, hf: Path, cold: bool) -> Iterator[Running]:
-    """Ray Serve LLM in vLLM's virtualenv; cold: an empty vLLM/inductor compile cache."""
-    cache = args.work_dir / "ray-llm-cache"
-    if cold:
-        shutil.rmtree(cache, ignore_errors=True)
-    port, metrics = free_port(), free_port()
-    log = args.work_dir / "ray-llm-serve.log"
-    command = [
-        str(python),
-        str(PEERS / "ray_serve_llm.py"),
-        f"--model-path={hf}",
-        f"--model-id={SMOLLM2}",
-        f"--port={port}",
-        f"--metrics-port={metrics}",
-        f"--cache-dir={cache}",
-        f"--temp-dir={tempfile.mkdtemp(prefix='ray-llm-')}",
-    ]
-    start = time.monotonic()
-    with open(log, "a") as f:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=f, text=True)
-    try:
-        _wait_for_ready(proc)
-        startup = time.monotonic() - start
-        yield Running(f"http://127.0.0.1:{port}", startup, "LLMServer", _vllm_counters(metrics))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _wait_for_ready(proc: subprocess.Popen[str]) -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("READY "):
-            return
-    raise RuntimeError(f"Ray Serve LLM exited (code {proc.wait()}) before it was ready")
-
-
-def _vllm_counters(port: int) -> Callable[[], tuple[float, float]]:
-    """vLLM's prefix-cache counters (tokens queried, tokens hit), summed over the replicas,
-    from Ray's metrics agent. Ray flushes them every second; wait until two reads agree."""
-
-    def read() -> tuple[float, float]:
-        last = None
-        for _ in range(30):
-            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-            now = (
-                _counter(text, "ray_vllm_prefix_cache_queries_total"),
-                _counter(text, "ray_vllm_prefix_cache_hits_total"),
-            )
-            if now == last:
-                return now
-            last = now
-            time.sleep(2)
-        assert last is not None
-        return last
-
-    return read
 
 
 def _summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
