@@ -66,7 +66,7 @@ def test_json_object_is_any_object() -> None:
 def test_a_constrained_request_changes_nothing_for_the_others_in_its_batch() -> None:
     engine = Engine(tiny(num_blocks=256))
     free = params(None, max_tokens=40, temperature=0.0)
-    alone = engine.generate(PROMPTS[:3], free)
+    alone = engine.generate(PROMPTS[0::2], free)
     mixed = engine.generate(PROMPTS, [free, params(), free, params(), free, params()])
     assert [o.token_ids for o in mixed[0::2]] == [o.token_ids for o in alone]
 

@@ -30,8 +30,11 @@ from replica.sampling.params import StructuredOutput
 CACHE_LIMIT_BYTES = 256 * 2**20
 MAX_CACHED_GRAMMARS = 256
 ANY_OBJECT = '{"type": "object"}'
-_LAX_CHARACTER = r"[^\"\\\r\n]"
-_JSON_CHARACTER = r"[^\0-\x1f\"\\\r\n]"
+# A JSON string's character as xgrammar writes it: with a length bound, and without
+_STRING_CHARACTERS = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]")
+# What JSON allows: no raw control character (json.loads refuses them) and no surrogate
+# (xgrammar's UTF-8 reader takes ED A0 80 as U+D800; a client decodes it as three U+FFFD)
+_JSON_CHARACTER = r"[^\0-\x1f\"\\\r\n\ud800-\udfff]"
 # xgrammar's errors start with a time and its own source position; the client gets the rest
 _SOURCE_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*")
 
@@ -98,9 +101,9 @@ class Grammars:
         try:
             schema = spec.schema_text or ANY_OBJECT  # json_object: any object, not any JSON
             grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False)
-            # xgrammar lets a string with a length bound hold raw control characters, which
-            # JSON forbids (json.loads refuses them): the same rule without them
-            ebnf = str(grammar).replace(_LAX_CHARACTER, _JSON_CHARACTER)
+            ebnf = str(grammar)
+            for lax in _STRING_CHARACTERS:
+                ebnf = ebnf.replace(lax, _JSON_CHARACTER)
             return compiler.compile_grammar(xgrammar.Grammar.from_ebnf(ebnf))
         except (RuntimeError, ValueError) as exc:
             message = _SOURCE_PREFIX.sub("", str(exc)).strip().splitlines()[0]
