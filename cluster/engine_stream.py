@@ -20,11 +20,27 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 import ray
+from ray.serve import context as serve_context
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from cluster.api import metrics as api_metrics
 from cluster.api.errors import engine_error, replica_failed
 from replica.messages import EngineRequest, InvalidRequestError, RequestOutput
+
+
+def _call_id(call_id: str) -> contextlib.AbstractContextManager[None]:
+    """Serve's request context with ``call_id`` as its internal request id, for one call.
+
+    Serve gives every call made while serving an HTTP request that request's internal id, and
+    its request router keys pending calls by that id: two calls at once (a batch of prompts)
+    would take each other's place and one would never be sent. Each call gets its own.
+    """
+    current = serve_context._get_serve_request_context()
+    own = replace(current, _internal_request_id=call_id)
+    token = serve_context._serve_request_context.set(own)
+    reset = contextlib.ExitStack()
+    reset.callback(serve_context._serve_request_context.reset, token)
+    return reset
 
 
 class EngineStream:
@@ -47,7 +63,7 @@ class EngineStream:
         """Send the request and wait for its first chunk, turning what can go wrong before it
         (invalid for the engine, no replica left) into an API error."""
         while True:
-            self._stream = self._engine.generate.remote(self.request)
+            self._stream = self._send(self.request)
             try:
                 chunk = await self._stream.__anext__()
             except ray.exceptions.RayActorError:
@@ -78,7 +94,11 @@ class EngineStream:
                 if self.request.params.n > 1:  # several choices in flight: not resumable
                     self._resume_or_fail("mid_stream", give_up=True)
                 self._resume_or_fail("mid_stream")
-                self._stream = self._engine.generate.remote(self._continuation())
+                self._stream = self._send(self._continuation())
+
+    def _send(self, request: EngineRequest) -> DeploymentResponseGenerator:
+        with _call_id(f"{self.request.request_id}.{self.resumes}"):
+            return self._engine.generate.remote(request)
 
     def cancel(self) -> None:
         """Best effort: a stream whose routing failed re-raises that failure on cancel."""

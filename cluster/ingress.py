@@ -130,7 +130,9 @@ class Ingress:
         prompts: list[tuple[list[int], str]] = []
         for prompt in body.prompts:
             if isinstance(prompt, str):
-                prompts.append((self.tokenizer.encode(prompt), prompt))
+                # an empty text starts at the document boundary, as OpenAI's models do
+                ids = self.tokenizer.encode(prompt) or [self.tokenizer.document_start_id]
+                prompts.append((ids, prompt))
             elif any(not 0 <= t < vocab for t in prompt):
                 raise APIError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
             else:

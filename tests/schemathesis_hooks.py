@@ -5,7 +5,8 @@ are unique, that a required call and a response format exclude each other (the d
 descriptions do), nor which JSON Schemas the grammar compiler takes. So before a generated
 body is sent, those relations are made to hold (``map_body``): every other generated value
 is sent as generated, and the server must accept every body the document allows (the
-``positive_data_acceptance`` check) and refuse every other.
+``positive_data_acceptance`` check) and refuse every other. ``before_call`` applies it in
+every phase (``map_body`` alone leaves the examples and coverage phases out).
 """
 
 from __future__ import annotations
@@ -15,10 +16,15 @@ from typing import Any
 import schemathesis
 
 SIMPLE_SCHEMA = {"type": "object"}
+MAX_TOOLS = 4  # 64 listed in the prompt would not fit the test model's 1,024-token context
 
 
 @schemathesis.hook
-def map_body(context: Any, body: Any) -> Any:
+def before_call(context: Any, case: Any, kwargs: Any) -> None:
+    case.body = hold_relations(case.body)
+
+
+def hold_relations(body: Any) -> Any:
     if not isinstance(body, dict):
         return body
     _schemas(body)
@@ -48,6 +54,8 @@ def _schemas(body: dict[str, Any]) -> None:
 
 
 def _tools(body: dict[str, Any]) -> list[str]:
+    if isinstance(body.get("tools"), list):  # a prompt must fit the context (also in words)
+        body["tools"] = body["tools"][:MAX_TOOLS]
     names = []
     for i, tool in enumerate(body.get("tools") or []):
         if isinstance(tool, dict) and isinstance(tool.get("function"), dict):

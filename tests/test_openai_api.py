@@ -184,7 +184,7 @@ def test_the_openapi_document_is_truthful(cluster: ServeCluster) -> None:
     auth = {"authorization": f"Bearer {KEYS[0]}"}
     doc = httpx.get(f"{cluster.base_url}/openapi.json", headers=auth).json()
     completions = doc["paths"]["/v1/completions"]["post"]["responses"]
-    assert set(completions) == {"200", "400", "401", "404", "500", "503"}
+    assert set(completions) == {"200", "400", "401", "404", "413", "500", "503"}
     assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     resp = httpx.put(f"{cluster.base_url}/v1/completions", headers=auth)
     assert resp.status_code == 405 and "POST" in resp.headers["allow"]
@@ -213,7 +213,7 @@ def test_the_openapi_document_is_truthful(cluster: ServeCluster) -> None:
 
 
 def test_a_batch_of_prompts_gets_a_choice_per_prompt_and_n(client) -> None:
-    prompts = ["The sea", "A mountain", [65, 66, 67], ""]
+    prompts = ["The sea", "A mountain", "ABC", ""]
     kw = {"max_tokens": 5, "temperature": 1.0, "seed": 9, "extra_body": {"ignore_eos": True}}
     reply = client.completions.create(model=MODEL, prompt=prompts, n=2, **kw)
     assert sorted(c.index for c in reply.choices) == list(range(8))
@@ -229,6 +229,9 @@ def test_a_batch_of_prompts_gets_a_choice_per_prompt_and_n(client) -> None:
     assert reply.usage.completion_tokens == 8 * 5
     singles = [client.completions.create(model=MODEL, prompt=p, **kw) for p in prompts]
     assert reply.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    ids = client.completions.create(model=MODEL, prompt=[[256, 65, 66, 67], [68]], **kw)
+    assert [c.index for c in ids.choices] == [0, 1]
+    assert ids.choices[0].text == texts[4]  # "ABC" as ids (BOS first): the same text
 
 
 class Person(BaseModel):

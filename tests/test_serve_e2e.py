@@ -150,6 +150,7 @@ def test_cache_salt_isolates_tenants(client: openai.OpenAI, cluster: ServeCluste
 LOOKBEHIND = {"type": "string", "pattern": "(?<=a)b"}  # refused by the replica's compiler
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
 def with_schema(schema: dict) -> dict:
@@ -254,9 +255,9 @@ BAD_INPUTS = [
     ),
     (
         "/v1/chat/completions",
-        {"model": MODEL, "messages": [{"role": "user", "tool_calls": []}]},
+        {"model": MODEL, "messages": [{"role": "user", "tool_calls": [CALL]}]},
         400,
-        "content",
+        "only an assistant message has tool_calls",
     ),
 ]
 
@@ -388,6 +389,24 @@ def test_serving_goes_on_with_affinity_while_redis_is_down(
         time.sleep(0.5)
 
 
+def test_a_body_over_the_cap_is_refused_before_it_is_read(cluster: ServeCluster) -> None:
+    url = f"{cluster.base_url}/v1/completions"
+    cap = cluster.args.max_request_bytes
+    big = b'{"model": "x", "prompt": "' + b"a" * cap + b'"}'
+    declared = httpx.post(url, content=big, headers={"content-type": "application/json"})
+    assert declared.status_code == 413
+    assert declared.json()["error"]["code"] == "request_too_large"
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        for i in range(0, len(big), 2**16):
+            yield big[i : i + 2**16]
+
+    streamed = httpx.post(url, content=chunks(), headers={"content-type": "application/json"})
+    assert streamed.status_code == 413 and "request_too_large" in streamed.text
+    fine = httpx.post(url, json={"model": MODEL, "prompt": "ok", "max_tokens": 2})
+    assert fine.status_code == 200
+
+
 def test_round_robin_alternates(redis_server: LocalRedis, cluster: ServeCluster) -> None:
     cluster.stop()  # one cluster at a time on two cores
     # a clean shutdown deregisters every replica and purges its blocks
@@ -432,21 +451,3 @@ def test_round_robin_alternates(redis_server: LocalRedis, cluster: ServeCluster)
         ):
             assert time.monotonic() < deadline, "a replica stopped by SIGTERM stayed registered"
             time.sleep(0.2)
-
-
-def test_a_body_over_the_cap_is_refused_before_it_is_read(cluster: ServeCluster) -> None:
-    url = f"{cluster.base_url}/v1/completions"
-    cap = cluster.args.max_request_bytes
-    big = b'{"model": "x", "prompt": "' + b"a" * cap + b'"}'
-    declared = httpx.post(url, content=big, headers={"content-type": "application/json"})
-    assert declared.status_code == 413
-    assert declared.json()["error"]["code"] == "request_too_large"
-
-    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
-        for i in range(0, len(big), 2**16):
-            yield big[i : i + 2**16]
-
-    streamed = httpx.post(url, content=chunks(), headers={"content-type": "application/json"})
-    assert streamed.status_code == 413 and "request_too_large" in streamed.text
-    fine = httpx.post(url, json={"model": MODEL, "prompt": "ok", "max_tokens": 2})
-    assert fine.status_code == 200

@@ -10,6 +10,12 @@ about as long; tokens/s counts the tokens each run actually produced.
 
 Also the first-request costs on a fresh engine: building the grammar vocabulary from the
 tokenizer (once per replica), compiling a schema the first time, and the cached lookup.
+
+And what the model does with ``tool_choice: auto`` (``--auto-prompts``): chat requests with
+two tools listed, half of them asking for what a tool does (weather, a unit conversion) and
+half small talk, greedy, rendered and read back exactly as the server does
+(``cluster.api.tools``): how many of each came back as a call, and how many calls named a
+tool with arguments its schema accepts.
 """
 
 from __future__ import annotations
@@ -20,9 +26,12 @@ import statistics
 import time
 from typing import Any
 
+import jsonschema
 import torch
 
 from bench.experiments.speed import workload
+from cluster.api.models import ChatCompletionRequest
+from cluster.api.tools import ToolCallStream, template_messages, template_tools
 from replica.checkpoints import SMOLLM2, checkpoint_for
 from replica.engine import Engine, EngineConfig, SamplingParams
 from replica.sampling.params import StructuredOutput
@@ -46,6 +55,50 @@ RECORD = {  # a typical extraction schema, for the compile times
     "additionalProperties": False,
 }
 MIXES = ("free", "mixed", "held")
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "convert_units",
+            "description": "Convert a quantity from one unit to another",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "value": {"type": "number"},
+                    "from_unit": {"type": "string"},
+                    "to_unit": {"type": "string"},
+                },
+                "required": ["value", "from_unit", "to_unit"],
+            },
+        },
+    },
+]
+TOOL_ASKS = [
+    "What is the weather in Paris right now?",
+    "How many kilometers is 26 miles?",
+    "Is it raining in Tokyo?",
+    "Convert 100 degrees Fahrenheit to Celsius.",
+    "What's the temperature in Lisbon today?",
+]
+SMALL_TALK = [
+    "Hi! How are you today?",
+    "Tell me a short joke.",
+    "What is the capital of Spain?",
+    "Write one sentence about cats.",
+    "Thank you for your help.",
+]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--auto-prompts", type=int, default=20, help="tool_choice auto requests")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -93,8 +147,54 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result[f"output_tokens_per_s_{mix}"] = _summary(rates[mix])
         ratios = [a / b for a, b in zip(rates[mix], rates["free"], strict=True)]
         result[f"{mix}_over_free"] = _summary(ratios)
+    result["auto_tool_calls"] = _auto_tool_calls(engine, checkpoint.tokenizer(), args.auto_prompts)
     result["conditions"] = {"batch": args.batch, "tokens": args.tokens, "repeats": args.repeats}
     return result
+
+
+def _auto_tool_calls(engine: Engine, tokenizer: Any, count: int) -> dict[str, Any]:
+    """Of ``count`` chat requests with tools and ``tool_choice: auto`` (half asking for a
+    tool's job, half not), how many the server would answer as a call, and how many valid."""
+    asks = [(q, True) for q in TOOL_ASKS] + [(q, False) for q in SMALL_TALK]
+    asks = [asks[i % len(asks)] for i in range(count)] if count else []
+    bodies = [
+        ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": q}], "tools": TOOLS}
+        )
+        for q, _ in asks
+    ]
+    prompts = [
+        tokenizer.encode_chat(
+            tokenizer.render_chat(
+                template_messages(b, tokenizer.template_has_tools), template_tools(b)
+            )
+        )
+        for b in bodies
+    ]
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=96, temperature=0.0))
+    counts = {"tool_asks": 0, "tool_asks_called": 0, "small_talk": 0, "small_talk_called": 0}
+    valid = 0
+    for (_, wants_tool), body, out in zip(asks, bodies, outputs, strict=True):
+        stream = ToolCallStream("auto", body.tools or [])
+        stream.push(tokenizer.decode(out.token_ids))
+        stream.finish()
+        key = "tool_asks" if wants_tool else "small_talk"
+        counts[key] += 1
+        if stream.is_call:
+            counts[f"{key}_called"] += 1
+            valid += _valid_call(stream)
+    return {**counts, "calls_with_valid_arguments": valid}
+
+
+def _valid_call(stream: ToolCallStream) -> bool:
+    schema = next(
+        t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == stream.name
+    )
+    try:
+        jsonschema.validate(json.loads(stream.arguments), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
 
 
 def _first_request_costs(config: EngineConfig) -> dict[str, float]:

@@ -54,7 +54,7 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = Field(
-        None, description="required but where an assistant message has tool_calls"
+        None, description="absent or null: empty (as an assistant message with tool_calls)"
     )
     tool_calls: list[ToolCall] | None = Field(None, description="assistant messages only")
     tool_call_id: str | None = Field(None, description="tool messages: the call answered")
@@ -63,8 +63,6 @@ class ChatMessage(BaseModel):
     def _check_role_fields(self) -> ChatMessage:
         if self.tool_calls and self.role != "assistant":
             raise ValueError("messages: only an assistant message has tool_calls")
-        if self.content is None and not self.tool_calls:
-            raise ValueError("messages: content is required (but with tool_calls)")
         return self
 
     @property

@@ -76,7 +76,10 @@ def _check(schema: dict[str, Any], param: str) -> None:
         where = "/".join(str(p) for p in exc.path)
         at = f" at {where}" if where else ""
         raise APIError(
-            400, f"{param}: not a valid JSON Schema{at}: {exc.message}", param=param
+            400,
+            f"{param}: not a valid JSON Schema{at}: {exc.message}",
+            code="invalid_schema",
+            param=param,
         ) from None
 
 

@@ -21,11 +21,11 @@ class Tokenizer(Protocol):
     vocab_size: int
     stop_token_ids: tuple[int, ...]  # EOS and the end-of-turn tokens
     template_has_tools: bool  # the chat template renders a list of tools itself
+    document_start_id: int  # what an empty prompt is served as (OpenAI: <|endoftext|>)
 
     def encode(self, text: str) -> list[int]:
-        """A prompt's ids, with whatever the model puts first (a BOS token, if any); never
-        empty: an empty text is the model's document boundary alone (as OpenAI's models
-        start an empty prompt at ``<|endoftext|>``)."""
+        """A prompt's ids, with whatever the model puts first (a BOS token, if any); empty
+        for an empty text where the model puts nothing first."""
         ...
 
     def encode_chat(self, text: str) -> list[int]:
@@ -61,6 +61,7 @@ class ByteTokenizer:
     eos_token_id = 257
     stop_token_ids = (257,)
     template_has_tools = False
+    document_start_id = 256
 
     def encode(self, text: str) -> list[int]:
         return [self.bos_token_id, *text.encode("utf-8", errors="surrogatepass")]
@@ -112,7 +113,7 @@ class HFTokenizer:
         return self._tok
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=True)) or [self.document_start_id]
+        return list(self._tok.encode(text, add_special_tokens=True))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=True)
