@@ -4,9 +4,11 @@ One engine (the served model and dtype, ``--threads``), a batch of ``--batch`` c
 decoding ``--tokens`` tokens each, EOS ignored, greedy, prefix cache emptied before every run:
 all free, a mix (every other request held to a JSON schema), and all held. Output tokens/s
 of each, the runs alternated (A B C C B A ...) and repeated; medians with min and max, and
-each run's ratio to the all-free run beside it. Held requests cannot ignore the end of their
-schema (it ends them), so the schema is open-ended (an array of strings) to keep them decoding
-about as long; tokens/s counts the tokens each run actually produced.
+each run's ratio to the all-free run beside it. A held request ends when its schema does
+(``ignore_eos`` cannot keep it going), and a batch that shrinks runs slower for that alone;
+so the schema is an object whose one string has at least 4,000 characters, which no reply
+reaches in ``--tokens`` tokens: every run decodes the same number of tokens, and the
+difference is the mask's cost (building it, applying it, advancing the matcher).
 
 Also the first-request costs on a fresh engine: building the grammar vocabulary from the
 tokenizer (once per replica), compiling a schema the first time, and the cached lookup.
@@ -36,8 +38,12 @@ from replica.checkpoints import SMOLLM2, checkpoint_for
 from replica.engine import Engine, EngineConfig, SamplingParams
 from replica.sampling.params import StructuredOutput
 
-# open-ended, so a held request runs as long as a free one
-LIST = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}}}
+# no reply completes it in --tokens tokens, so a held request runs as long as a free one
+LONG_TEXT = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "minLength": 4000}},
+    "required": ["text"],
+}
 RECORD = {  # a typical extraction schema, for the compile times
     "type": "object",
     "properties": {
@@ -126,7 +132,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "threads": args.threads}
     result["first_request"] = _first_request_costs(config)
     engine = Engine(config)
-    held = StructuredOutput(kind="json_schema", schema_text=json.dumps(LIST))
+    held = StructuredOutput(kind="json_schema", schema_text=json.dumps(LONG_TEXT))
     free = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     constrained = free.model_copy(update={"structured": held})
     mixes = {
@@ -141,7 +147,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             engine.reset_prefix_cache()
             start = time.perf_counter()
             outputs = engine.generate(prompts, mixes[mix])
-            tokens = sum(len(o.token_ids) for o in outputs)  # a held reply may end early
+            tokens = sum(len(o.token_ids) for o in outputs)
+            assert tokens == len(prompts) * args.tokens, "a reply ended early"
             rates[mix].append(tokens / (time.perf_counter() - start))
     for mix in MIXES:
         result[f"output_tokens_per_s_{mix}"] = _summary(rates[mix])
