@@ -6,6 +6,8 @@ before the first token, running out of resumes, and choices that cannot be resum
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -141,9 +143,12 @@ def test_several_choices_are_resent_before_their_first_token_but_not_resumed_mid
     assert given_up("mid_stream") == before + 1
 
 
-def test_an_internal_error_is_a_500_in_the_openai_shape_without_a_stack_trace() -> None:
+def test_an_internal_error_is_a_500_in_the_openai_shape_without_a_stack_trace(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """The handlers the ingress installs, on an app whose route fails unexpectedly: the
-    client learns that it failed, not how (no traceback, no exception text)."""
+    client learns that it failed and under which id, not how (no traceback, no exception
+    text); the server's log has the trace under that id."""
     app = FastAPI()
     install_handlers(app)
 
@@ -151,14 +156,18 @@ def test_an_internal_error_is_a_500_in_the_openai_shape_without_a_stack_trace() 
     def boom() -> None:
         raise RuntimeError("secret detail from /internal/path.py")
 
-    resp = TestClient(app, raise_server_exceptions=False).get("/boom")
+    with caplog.at_level(logging.ERROR):
+        resp = TestClient(app, raise_server_exceptions=False).get("/boom")
     assert resp.status_code == 500
-    assert resp.json() == {
-        "error": {
-            "message": "internal error",
-            "type": "server_error",
-            "param": None,
-            "code": None,
-        }
-    }
+    error = resp.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == (
+        "server_error",
+        None,
+        "internal_error",
+    )
+    request_id = re.fullmatch(
+        r"The server had an internal error; it logged it as request (\w+)", error["message"]
+    ).group(1)
     assert "Traceback" not in resp.text and "secret" not in resp.text
+    logged = [r for r in caplog.records if request_id in r.getMessage()]
+    assert logged and "secret detail" in str(logged[0].exc_info[1])
