@@ -6,7 +6,6 @@ import concurrent.futures
 import os
 import re
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 
@@ -15,6 +14,7 @@ import openai
 import pytest
 import redis
 from conftest import keep_logs, tiny
+from streams import replica_pids
 
 from bench.harness.launcher import ServeCluster
 from bench.harness.redis_server import LocalRedis
@@ -438,12 +438,10 @@ def test_round_robin_alternates(redis_server: LocalRedis, cluster: ServeCluster)
         # stop`) deregisters it as its interpreter exits, like a graceful shutdown
         old = set(index.live_replicas())
         assert len(old) == 2
-        pids = subprocess.run(
-            ["pgrep", "-f", "ray::ServeReplica:llm:EngineReplica"], capture_output=True, text=True
-        ).stdout.split()
+        pids = replica_pids(rr)  # this cluster's replicas (from its stats), no one else's
         assert len(pids) == 2
-        for pid in pids:
-            os.kill(int(pid), signal.SIGTERM)
+        for pid in pids.values():
+            os.kill(pid, signal.SIGTERM)
         store = redis.Redis.from_url(redis_server.url)
         deadline = time.monotonic() + 20
         while old & set(index.live_replicas()) or any(

@@ -1,10 +1,12 @@
 """Start and stop a real cluster the way a user does: ``serve run`` on a config file.
 
 Used by the end-to-end tests and the routing experiments. The config is written from
-``ClusterArgs``; ``serve run`` starts its own local Ray instance, and stopping it stops both.
-Given a ``ray_address`` (an existing, possibly multi-node Ray cluster), ``serve run`` joins
-it as ``RAY_ADDRESS`` does, and stopping shuts down the application only: the Ray cluster
-belongs to whoever started it.
+``ClusterArgs``. Without a ``ray_address`` the cluster gets a Ray instance of its own
+(``bench.harness.private_ray``: its own ports and temporary folder, so it never joins or
+stops a Ray someone else started on the machine), ``serve run`` deploys into it, and
+stopping stops both. Given a ``ray_address`` (an existing, possibly multi-node Ray
+cluster), ``serve run`` joins it as ``RAY_ADDRESS`` does, and stopping shuts down the
+application only: the Ray cluster belongs to whoever started it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import httpx
 import yaml
 
+from bench.harness.private_ray import PrivateRay
 from bench.harness.redis_server import free_port
 from cluster.config import ClusterArgs
 from kvindex.reader import IndexReader
@@ -80,6 +83,7 @@ class ServeCluster:
         self._dir = Path(tempfile.mkdtemp(prefix="serve-"))
         self.log_path = log_path or self._dir / "serve.log"
         self._proc: subprocess.Popen[bytes] | None = None
+        self._ray: PrivateRay | None = None
 
     def start(self, timeout_s: float = 180.0) -> ServeCluster:
         config = self._dir / "config.yaml"
@@ -93,6 +97,9 @@ class ServeCluster:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.repo), env.get("PYTHONPATH")]))
         if self.ray_address is not None:
             env["RAY_ADDRESS"] = self.ray_address
+        else:
+            self._ray = PrivateRay(self.log_path).start(env)
+            env.update(self._ray.env)
         serve = Path(sys.executable).with_name("serve")
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
@@ -123,10 +130,9 @@ class ServeCluster:
         if self._proc is not None:
             graceful = self._signal_until_stopped(timeout_s)
             self._proc = None
-            if self.ray_address is None:
-                # the backstop: nothing of this Ray instance may outlive the cluster
-                ray = Path(sys.executable).with_name("ray")
-                subprocess.run([str(ray), "stop", "--force"], capture_output=True, timeout=120)
+        if self._ray is not None:  # this cluster's own Ray, and nothing else
+            self._ray.stop()
+            self._ray = None
         if keep_logs or not graceful:
             sys.stderr.write(f"serve run's config and log are kept in {self._dir}\n")
         elif self._dir.exists():
@@ -173,8 +179,14 @@ class ServeCluster:
             timeout=timeout_s,
         )
 
+    def ray_pids(self) -> list[int]:
+        """The processes of this cluster's own Ray (none when it joined a given address)."""
+        return self._ray.pids() if self._ray is not None else []
+
     def dashboard_url(self) -> str:
-        """The Ray dashboard this ``serve run`` started (read from its log)."""
+        """This cluster's Ray dashboard (its own Ray's, or read from ``serve run``'s log)."""
+        if self._ray is not None:
+            return self._ray.dashboard_url
         for line in self.log_path.read_text(errors="replace").splitlines():
             if "dashboard at" in line.lower() and "http" in line:
                 return "http" + line.split("http", 1)[1].split()[0].rstrip(".")

@@ -1,9 +1,12 @@
 """A cap on request bodies (``max_request_bytes``), enforced before a body is read whole.
 
 A declared ``Content-Length`` over the cap is refused at once with a 413 in OpenAI form, the
-body never read; a body sent without one (chunked) is counted as it arrives and refused at
-the chunk that crosses the cap. Like the API keys, the cap lives in this module, set by the
-ingress at start (Serve pickles the ingress class by value).
+body never read; a body sent without one (chunked) is read here as it arrives, at most the
+cap, and refused at the chunk that crosses it; under the cap, the chunks read are handed to
+the application as they came. (Refusing from inside the application's own read would not
+do: FastAPI turns any error raised while it reads a body into a 400.) Like the API keys,
+the cap lives in this module, set by the ingress at start (Serve pickles the ingress class
+by value).
 """
 
 from __future__ import annotations
@@ -45,18 +48,39 @@ class BodyLimit:
             response = too_large().response() if declared.isdigit() else _bad_length()
             await response(scope, receive, send)
             return
-        seen = 0
+        if declared is None:
+            messages = await _read_capped(receive, limit)
+            if messages is None:
+                await too_large().response()(scope, receive, send)
+                return
+            receive = _replay(messages, receive)
+        await self.app(scope, receive, send)
 
-        async def counted() -> dict[str, Any]:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise too_large()
+
+async def _read_capped(receive: Any, limit: int) -> list[dict[str, Any]] | None:
+    """A body's messages up to its end, or None as soon as they pass ``limit`` bytes."""
+    messages, seen = [], 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":
+            return messages
+        seen += len(message.get("body", b""))
+        if seen > limit:
+            return None
+        if not message.get("more_body", False):
+            return messages
+
+
+def _replay(messages: list[dict[str, Any]], receive: Any) -> Any:
+    pending = iter(messages)
+
+    async def replayed() -> dict[str, Any]:
+        for message in pending:
             return message
+        return await receive()  # after the body: a disconnect, when it comes
 
-        await self.app(scope, counted, send)
+    return replayed
 
 
 def _bad_length() -> Any:

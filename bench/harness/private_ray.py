@@ -1,0 +1,99 @@
+"""A Ray instance of one test or experiment's own, on this machine, and its clean removal.
+
+``ray start --head`` with every port it would otherwise take by default (GCS, dashboard, its
+agent, the client server, metrics) chosen free, and a temporary folder of its own
+(``RAY_TMPDIR`` and ``--temp-dir``): ``serve run`` given its address deploys there, and no
+one else's ``ray start`` or ``serve run`` on the machine can find it (they look for a
+cluster in their own temporary folder). Every process it starts, and every worker those
+start, inherits a marker in its environment (``PREFIX_SERVE_RAY``, a fresh id); stopping
+signals exactly the processes that carry it, never ``ray stop`` (which stops every Ray
+instance on the host).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from bench.harness.redis_server import free_port
+
+MARKER = "PREFIX_SERVE_RAY"
+PROC = Path("/proc")
+
+
+class PrivateRay:
+    def __init__(self, log_path: Path) -> None:
+        self.id = uuid.uuid4().hex[:12]
+        # short: Ray's Unix sockets live under it and their paths are capped at 107 bytes
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
+        self.port = free_port()
+        self.dashboard_port = free_port()
+        self.log_path = log_path
+        self.env = {MARKER: self.id, "RAY_TMPDIR": str(self.temp_dir)}
+        self.env["RAY_ADDRESS"] = f"127.0.0.1:{self.port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def start(self, env: dict[str, str]) -> PrivateRay:
+        ray = Path(sys.executable).with_name("ray")
+        command = [
+            str(ray),
+            "start",
+            "--head",
+            "--node-ip-address=127.0.0.1",
+            f"--port={self.port}",
+            f"--dashboard-port={self.dashboard_port}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--ray-client-server-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
+            f"--num-cpus={os.cpu_count() or 1}",
+            f"--temp-dir={self.temp_dir}",
+            "--disable-usage-stats",
+        ]
+        run_env = {**env, **self.env}
+        run_env.pop("RAY_ADDRESS")  # the head is started, not joined
+        with open(self.log_path, "ab") as log:
+            done = subprocess.run(
+                command, env=run_env, stdout=log, stderr=subprocess.STDOUT, timeout=180
+            )
+        if done.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"ray start failed; see {self.log_path}")
+        return self
+
+    def pids(self) -> list[int]:
+        """Every live process of this instance (those whose environment has its marker)."""
+        mark = f"{MARKER}={self.id}".encode()
+        found = []
+        for entry in PROC.iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                environ = (entry / "environ").read_bytes()
+            except OSError:
+                continue
+            if mark in environ.split(b"\0"):
+                found.append(int(entry.name))
+        return found
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to every process of this instance, SIGKILL to those left after
+        ``grace_s``, then its temporary folder removed."""
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            for pid in self.pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + wait_s
+            while self.pids() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
