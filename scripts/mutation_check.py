@@ -1,14 +1,19 @@
-"""Break each rule the README states about block bookkeeping, one at a time, in a copy of
-the tree, and run the unit tests meant to hold it: every mutation must make a test fail.
+"""Break each rule the README states, one at a time, in a copy of the tree, and run the test
+named to hold it: every mutation must make that test fail on an assertion.
 
-    .venv/bin/python scripts/mutation_check.py      # about 3 minutes on 2 cores
+    .venv/bin/python scripts/mutation_check.py      # a few minutes on 2 cores
 
-Prints one line per mutation (the first failing test) and exits 1 if any survived.
+First the named tests run on the unmutated tree and must pass (else nothing below means
+anything). Then each mutation: caught only when its named test fails with an assertion
+error; a crash, an import error, a timeout or a pass is not caught. Each run is time-boxed.
+Last, the README's table must list exactly these mutations, each with its named test.
+Prints one line per mutation; exits 1 if any is not caught or the table disagrees.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,63 +21,110 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-ENGINE_TESTS = ["tests/test_block_manager.py", "tests/test_scheduler.py", "tests/test_engine.py"]
+TIMEOUT_S = 600
 NEWEST = "victim = max([seq, *pending], key=lambda s: order[id(s)])"
-# (what the mutation breaks, file, text replaced, its replacement)
+PARENT = "test_block_manager.py::test_a_hit_needs_its_parent_to_be_the_block_matched_just_before"
+PREEMPT = (
+    "test_scheduler.py::"
+    "test_preemption_mid_chunk_takes_the_newest_and_it_resumes_from_its_cached_blocks"
+)
+RULES = "test_rules.py::"
+# (what the mutation breaks, file, text replaced, its replacement, the test that must fail)
 MUTATIONS = [
-    (
-        "lookup without the parent check",
-        "replica/engine/prefix_cache.py",
-        "and e.parent in level\n",
-        "\n",
-    ),
-    (
-        "preemption takes the oldest",
-        "replica/engine/scheduler.py",
-        NEWEST,
-        NEWEST.replace("max", "min"),
-    ),
-    (
-        "preemption takes the one needing the block",
-        "replica/engine/scheduler.py",
-        NEWEST,
-        "victim = seq",
-    ),
-    (
-        "cached blocks not available (preempt before evicting)",
-        "replica/engine/block_allocator.py",
-        "return len(self._free) + len(self._cached)",
-        "return len(self._free)",
-    ),
-]
+    ("lookup without the parent check", "replica/engine/prefix_cache.py",
+     "and e.parent in level\n", "\n", PARENT),
+    ("preemption takes the oldest", "replica/engine/scheduler.py",
+     NEWEST, NEWEST.replace("max", "min"), PREEMPT),
+    ("preemption takes the one needing the block", "replica/engine/scheduler.py",
+     NEWEST, "victim = seq", PREEMPT),
+    ("cached blocks not available (preempt before evicting)",
+     "replica/engine/block_allocator.py",
+     "return len(self._free) + len(self._cached)", "return len(self._free)", PREEMPT),
+    ("temperature ignored", "replica/sampling/sampler.py",
+     "torch.softmax(logits / seq.params.temperature, dim=-1)", "torch.softmax(logits, dim=-1)",
+     RULES + "test_temperature_divides_the_logits"),
+    ("a presence penalty alone skips processing", "replica/sampling/logits_processing.py",
+     "        or params.presence_penalty\n", "",
+     RULES + "test_each_penalty_alone_turns_greedy_away_from_a_repeated_token"),
+    ("a resumed request's delivered tokens counted as prompt", "replica/engine/engine.py",
+     "        seq.num_prompt_tokens = len(tokens)\n", "",
+     RULES + "test_a_resumed_request_counts_its_delivered_tokens_as_output"),
+    ("a booking never released", "router/core.py",
+     "return self.bookings.release(request_id, replica_id)",
+     "return self.bookings._by_request.get(request_id)",
+     RULES + "test_a_released_booking_leaves_no_load_behind"),
+    ("a released booking's load not subtracted", "router/bookings.py",
+     "            self._totals[booking.replica_id] -= _load(booking)", "            pass",
+     RULES + "test_a_released_booking_leaves_no_load_behind"),
+    ("the router does not record where it sent a prefix", "router/core.py",
+     "            self.recent.record(replica_id, request.block_hashes)", "            pass",
+     RULES + "test_the_router_records_where_it_sent_a_prefix_for_when_the_index_is_late"),
+    ("with API keys, the client's own cache_salt dropped", "cluster/request_builder.py",
+     'return f"key:{key_id}" + (f"/{salt}" if salt else "")', 'return f"key:{key_id}"',
+     RULES + "test_with_api_keys_a_requests_salt_has_its_key_and_its_own_salt"),
+    ("a resumed request rehashed without its salt", "cluster/engine_stream.py",
+     "prompt_token_ids + delivered, self.request.cache_salt)",
+     "prompt_token_ids + delivered, None)",
+     RULES + "test_a_resumed_stream_is_rehashed_under_its_salt"),
+    ("the index's breaker trips after 1 failure, not 3", "kvindex/reader.py",
+     "TRIP_AFTER_FAILURES = 3", "TRIP_AFTER_FAILURES = 1",
+     RULES + "test_the_index_breaker_trips_after_three_failed_queries_in_a_row"),
+]  # fmt: skip
+ASSERTION = re.compile(r"^E\s+(AssertionError|assert )", re.M)
 
 
-def survives(path: str, old: str, new: str) -> tuple[bool, str]:
-    """Apply one mutation to a copy of the tree and run the tests; (survived, first failure)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        copy = Path(tmp) / "tree"
-        skip = shutil.ignore_patterns(".venv*", ".git", "results", "mutants", "*.egg-info")
-        shutil.copytree(REPO, copy, ignore=skip)
-        source = copy / path
-        text = source.read_text()
-        assert text.count(old) == 1, f"{path}: the mutated text must occur exactly once"
-        source.write_text(text.replace(old, new))
-        env = {**os.environ, "PYTHONPATH": str(copy), "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"]
+def run_test(tree: Path, test: str) -> tuple[str, str]:
+    """(outcome, detail): passed, failed (on an assertion), crashed, or timed out."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", f"tests/{test}"]
+    try:
         run = subprocess.run(
-            [*cmd, *ENGINE_TESTS], cwd=copy, env=env, capture_output=True, text=True
+            cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
         )
-        failed = [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
-        return run.returncode == 0, (failed[0] if failed else run.stdout[-300:])
+    except subprocess.TimeoutExpired:
+        return "timed out", f"over {TIMEOUT_S} s"
+    if run.returncode == 0:
+        return "passed", ""
+    failed = [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
+    if run.returncode == 1 and failed and ASSERTION.search(run.stdout):
+        return "failed", failed[0]
+    return "crashed", f"exit {run.returncode}: {run.stdout[-300:]}"
+
+
+def mutated_copy(tmp: Path, path: str, old: str, new: str) -> Path:
+    copy = tmp / "tree"
+    skip = shutil.ignore_patterns(".venv*", ".git", "results", "mutants", "*.egg-info")
+    shutil.copytree(REPO, copy, ignore=skip)
+    source = copy / path
+    text = source.read_text()
+    assert text.count(old) == 1, f"{path}: the mutated text must occur exactly once"
+    source.write_text(text.replace(old, new))
+    return copy
+
+
+def table_agrees() -> bool:
+    """The README's table: one row per mutation, naming its test."""
+    readme = (REPO / "README.md").read_text()
+    rows = re.findall(r"^\| (.+?) \| `([^`]+)` \|$", readme, re.M)
+    listed = {name: test for name, test in rows if "::" in test}
+    wanted = {name: test for name, _, _, _, test in MUTATIONS}
+    if listed != wanted:
+        print(f"README table differs: {sorted(set(listed.items()) ^ set(wanted.items()))}")
+    return listed == wanted
 
 
 def main() -> None:
-    survivors = 0
-    for name, path, old, new in MUTATIONS:
-        survived, detail = survives(path, old, new)
-        survivors += survived
-        print(f"{'SURVIVED' if survived else 'caught'}: {name}: {detail}", flush=True)
-    sys.exit(1 if survivors else 0)
+    for test in sorted({m[-1] for m in MUTATIONS}):  # the unmutated tree passes them all
+        outcome, detail = run_test(REPO, test)
+        assert outcome == "passed", f"unmutated tree: {test} {outcome} {detail}"
+    missed = 0
+    for name, path, old, new, test in MUTATIONS:
+        with tempfile.TemporaryDirectory() as tmp:
+            outcome, detail = run_test(mutated_copy(Path(tmp), path, old, new), test)
+        caught = outcome == "failed"
+        missed += not caught
+        print(f"{'caught' if caught else outcome.upper()}: {name}: {detail}", flush=True)
+    sys.exit(1 if missed or not table_agrees() else 0)
 
 
 if __name__ == "__main__":
