@@ -125,6 +125,10 @@ class PrefixCache:
         if len(same_hash) == 1:
             self._changes[block_hash] = True
 
+    def entry(self, block_id: int) -> CachedBlock:
+        """What a published block holds and continues."""
+        return self._by_block[block_id]
+
     def is_published(self, block_id: int) -> bool:
         return block_id in self._by_block
 

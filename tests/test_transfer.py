@@ -1,0 +1,143 @@
+"""Verified KV blocks moved between two engines (``replica.engine.transfer``): a pulled prefix
+is a local hit's equal, and every way a copy can be wrong ends in a miss and a right answer,
+with the block accounting of both engines adding up."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from conftest import tiny
+
+from replica.engine import Engine, SamplingParams
+from replica.engine.transfer import PrefixExport, export_prefix, import_prefix
+
+BS = 16
+PROMPT = [(7 * i + 3) % 250 for i in range(8 * BS + 5)]  # 8 full blocks and 5 tokens
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def engines(**fields) -> tuple[Engine, Engine]:
+    config = tiny(num_blocks=64, **fields)
+    return Engine(config), Engine(config)
+
+
+def served(engine: Engine, prompt=PROMPT, salt=None):
+    (out,) = engine.generate([prompt], GREEDY, cache_salt=salt)
+    engine.check_invariants(idle=True)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_pulled_prefix_gives_what_a_local_hit_gives(dtype: str) -> None:
+    holder, puller = engines(dtype=dtype)
+    first = served(holder)
+    export = export_prefix(holder, PROMPT, None)
+    assert len(export.blocks) == 8 and export.num_bytes == 8 * holder.runner.kv_cache.data[0].nbytes
+    result = import_prefix(puller, PROMPT, None, export)
+    assert (result.imported, result.already_held, result.rejected) == (8, 0, [])
+    puller.check_invariants(idle=True)
+    pulled = served(puller)
+    assert pulled.num_cached_tokens == 8 * BS
+    local = served(holder)  # the holder's own hit
+    alone = served(Engine(tiny(num_blocks=64, dtype=dtype)))  # nothing cached
+    assert pulled.token_ids == local.token_ids == alone.token_ids == first.token_ids
+
+
+def test_only_the_missing_blocks_are_imported() -> None:
+    holder, puller = engines()
+    served(holder)
+    served(puller, PROMPT[: 3 * BS + 1])  # the puller has the first 3 blocks
+    result = import_prefix(puller, PROMPT, None, export_prefix(holder, PROMPT, None))
+    assert (result.imported, result.already_held) == (5, 3)
+    assert served(puller).num_cached_tokens == 8 * BS
+
+
+def forged(export: PrefixExport, index: int, **changes) -> PrefixExport:
+    blocks = list(export.blocks)
+    blocks[index] = replace(blocks[index], **changes)
+    return replace(export, blocks=tuple(blocks))
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"token_ids": tuple(range(BS))}, "tokens differ"),
+        ({"block_hash": b"\0" * 16}, "hash differs"),
+        ({"parent_hash": b"\1" * 16}, "parent differs"),
+        ({"kv": b"\0" * 10}, "truncated"),
+    ],
+)
+def test_a_wrong_block_ends_the_import_there_and_the_answer_stays_right(change, reason) -> None:
+    holder, puller = engines()
+    want = served(holder)
+    export = forged(export_prefix(holder, PROMPT, None), 5, **change)
+    result = import_prefix(puller, PROMPT, None, export)
+    assert result.imported == 5 and result.rejected == [f"block 5: {reason}"]
+    puller.check_invariants(idle=True)
+    got = served(puller)
+    assert got.num_cached_tokens == 5 * BS and got.token_ids == want.token_ids
+
+
+def test_a_torn_copy_is_caught_by_its_digest() -> None:
+    holder, puller = engines()
+    want = served(holder)
+    export = export_prefix(holder, PROMPT, None)
+    kv = bytearray(export.blocks[2].kv)
+    kv[len(kv) // 2] ^= 0xFF  # one byte flipped in transit
+    result = import_prefix(puller, PROMPT, None, forged(export, 2, kv=bytes(kv)))
+    assert result.imported == 2 and result.rejected == ["block 2: digest differs"]
+    assert served(puller).token_ids == want.token_ids
+
+
+def test_blocks_of_another_prompt_under_a_colliding_hash_are_refused() -> None:
+    """A collision: another prompt's blocks claiming this prompt's hashes. The receiver
+    checks the tokens against its own request, so it takes none of them."""
+    holder, puller = engines()
+    other = [(t + 1) % 250 for t in PROMPT]
+    served(holder, other)
+    theirs = export_prefix(holder, other, None)
+    mine = Engine(tiny(num_blocks=64)).block_manager.hasher.chain(PROMPT, None)
+    claimed = tuple(
+        replace(b, block_hash=mine[i], parent_hash=mine[i - 1] if i else None)
+        for i, b in enumerate(theirs.blocks)
+    )
+    result = import_prefix(puller, PROMPT, None, replace(theirs, blocks=claimed))
+    assert result.imported == 0 and result.rejected == ["block 0: tokens differ"]
+
+
+def test_a_tenants_blocks_go_only_to_a_request_with_its_salt() -> None:
+    holder, puller = engines()
+    served(holder, salt="tenant-a")
+    assert export_prefix(holder, PROMPT, "tenant-b").blocks == ()
+    assert export_prefix(holder, PROMPT, None).blocks == ()
+    export = export_prefix(holder, PROMPT, "tenant-a")
+    assert len(export.blocks) == 8
+    # pulled under another salt, the hashes it computes differ: nothing is taken
+    assert import_prefix(puller, PROMPT, "tenant-b", export).imported == 0
+    assert import_prefix(puller, PROMPT, "tenant-a", export).imported == 8
+
+
+def test_an_import_takes_only_what_is_free_or_cached_never_a_block_in_use() -> None:
+    holder = Engine(tiny(num_blocks=64))
+    served(holder)
+    export = export_prefix(holder, PROMPT, None)
+    small = Engine(tiny(num_blocks=12))
+    small.add_request("busy", list(range(100, 100 + 9 * BS)), SamplingParams(max_tokens=40))
+    small.step()  # 10 blocks in use
+    free = small.block_manager.allocator.num_available
+    result = import_prefix(small, PROMPT, None, export)
+    assert result.imported == free < 8 and result.rejected == [f"room for {free} of 8 blocks"]
+    small.check_invariants()
+    while small.has_unfinished_requests():
+        small.step()
+    small.check_invariants(idle=True)
+
+
+def test_layouts_must_agree() -> None:
+    holder = Engine(tiny(num_blocks=64, dtype="bfloat16"))
+    served(holder)
+    result = import_prefix(
+        Engine(tiny(num_blocks=64)), PROMPT, None, export_prefix(holder, PROMPT, None)
+    )
+    assert result.imported == 0 and "layout" in result.rejected[0]
