@@ -4,10 +4,11 @@ call it yet).
 
 ``export_prefix`` answers a requester's prompt (its token ids and cache salt) with the
 holder's longest *verified* cached prefix of it: per full block its hash, its parent's hash,
-its token ids, its KV bytes (all layers' K and V: one contiguous region of the block-major
-cache) and a digest of those bytes. It runs between engine steps, so no eviction can change
-a block while it is copied. Because it looks the prompt up under the requester's salt, a
-tenant's blocks go only to a request with the same salt.
+its token ids and a CRC-32 of its KV bytes; the bytes themselves (all layers' K and V: one
+contiguous region of the block-major cache per block) travel as one uint8 array, which Ray's
+object store carries without a copy between processes of a node. It runs between engine
+steps, so no eviction can change a block while it is copied. Because it looks the prompt
+up under the requester's salt, a tenant's blocks go only to a request with the same salt.
 
 ``import_prefix`` holds every block to the rule a local hit keeps, and more: its tokens are
 the requester's tokens at that position, its hash is the one the *receiver* computes for
@@ -21,11 +22,12 @@ token. Imported blocks take free or least recently used cached blocks, never one
 
 from __future__ import annotations
 
-import hashlib
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -34,18 +36,18 @@ class ExportedBlock:
     block_hash: bytes
     parent_hash: bytes | None  # None for a prompt's first block
     token_ids: tuple[int, ...]
-    kv: bytes  # the block's region of the KV cache, every layer's K and V
-    digest: bytes  # blake2b of ``kv``
+    crc: int  # zlib.crc32 of the block's bytes
 
 
 @dataclass(frozen=True)
 class PrefixExport:
     layout: tuple[str, tuple[int, ...]]  # the cache's dtype and one block's shape
     blocks: tuple[ExportedBlock, ...] = ()
+    kv: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.uint8))  # a row a block
 
     @property
     def num_bytes(self) -> int:
-        return sum(len(b.kv) for b in self.blocks)
+        return int(self.kv.nbytes)
 
 
 @dataclass
@@ -53,10 +55,6 @@ class ImportResult:
     imported: int = 0  # blocks now published here
     already_held: int = 0  # the requester's leading blocks this engine had
     rejected: list[str] = field(default_factory=list)  # why the first refused block was
-
-
-def _digest(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 def _layout(kv_data: torch.Tensor) -> tuple[str, tuple[int, ...]]:
@@ -77,13 +75,16 @@ def export_prefix(engine: Any, token_ids: Sequence[int], cache_salt: str | None)
     if cache is None:
         return PrefixExport(_layout(data))
     path = cache.lookup(token_ids, cache_salt)
+    if not path:
+        return PrefixExport(_layout(data))
+    kv = data[path].view(torch.uint8).reshape(len(path), -1).numpy()  # a copy: indexed
     blocks = []
-    for block_id in path:
+    for row, block_id in enumerate(path):
         entry = cache.entry(block_id)
-        raw = data[block_id].contiguous().view(torch.uint8).numpy().tobytes()
         parent = entry.parent.block_hash if entry.parent is not None else None
-        blocks.append(ExportedBlock(entry.block_hash, parent, entry.token_ids, raw, _digest(raw)))
-    return PrefixExport(_layout(data), tuple(blocks))
+        crc = zlib.crc32(kv[row])
+        blocks.append(ExportedBlock(entry.block_hash, parent, entry.token_ids, crc))
+    return PrefixExport(_layout(data), tuple(blocks), kv)
 
 
 def import_prefix(
@@ -103,8 +104,17 @@ def import_prefix(
     expected = manager.hasher.chain(token_ids, cache_salt)
     held = cache.lookup(token_ids, cache_salt, expected)
     result.already_held = len(held)
-    wanted = _verified(export, token_ids, expected, len(held), manager.block_size, data, result)
-    _publish(engine, wanted, held, data, token_ids, expected, cache_salt, result)
+    count = _verified(export, token_ids, expected, len(held), manager.block_size, data, result)
+    _publish(
+        engine,
+        export.kv[len(held) : len(held) + count],
+        held,
+        data,
+        token_ids,
+        expected,
+        cache_salt,
+        result,
+    )
     return result
 
 
@@ -116,11 +126,12 @@ def _verified(
     block_size: int,
     data: torch.Tensor,
     result: ImportResult,
-) -> list[ExportedBlock]:
-    """The blocks from position ``start`` on that pass every check, up to the first that
+) -> int:
+    """How many blocks from position ``start`` on pass every check, up to the first that
     does not (its reason recorded)."""
     size = data[0].numel() * data.element_size()
-    wanted = []
+    rows, width = export.kv.shape if export.kv.ndim == 2 else (0, 0)
+    wanted = 0
     for i, block in enumerate(export.blocks[start:], start):
         tokens = tuple(token_ids[i * block_size : (i + 1) * block_size])
         parent = expected[i - 1] if i else None
@@ -129,20 +140,20 @@ def _verified(
             else "tokens differ" if block.token_ids != tokens
             else "hash differs" if block.block_hash != expected[i]
             else "parent differs" if block.parent_hash != parent
-            else "truncated" if len(block.kv) != size
-            else "digest differs" if _digest(block.kv) != block.digest
+            else "truncated" if i >= rows or width != size
+            else "checksum differs" if zlib.crc32(export.kv[i]) != block.crc
             else None
         )  # fmt: skip
         if problem is not None:
             result.rejected.append(f"block {i}: {problem}")
             break
-        wanted.append(block)
+        wanted += 1
     return wanted
 
 
 def _publish(
     engine: Any,
-    blocks: list[ExportedBlock],
+    rows: np.ndarray,
     held: list[int],
     data: torch.Tensor,
     token_ids: Sequence[int],
@@ -157,16 +168,17 @@ def _publish(
     allocator, cache, bs = manager.allocator, manager.prefix_cache, manager.block_size
     for block in held:  # pinned while allocating: the allocation must not evict them
         allocator.share(block)
-    ids = allocator.allocate(min(len(blocks), allocator.num_available))
+    ids = allocator.allocate(min(len(rows), allocator.num_available))
+    if ids:
+        flat = data.view(torch.uint8).view(data.shape[0], -1)
+        flat[ids] = torch.from_numpy(np.ascontiguousarray(rows[: len(ids)]))
     parent = held[-1] if held else None
-    for offset, (block_id, block) in enumerate(zip(ids, blocks, strict=False)):
+    for offset, block_id in enumerate(ids):
         i = len(held) + offset
-        region = torch.frombuffer(bytearray(block.kv), dtype=torch.uint8)
-        data[block_id].view(torch.uint8).view(-1).copy_(region)
         cache.publish(block_id, expected[i], token_ids[i * bs : (i + 1) * bs], parent, cache_salt)
         parent = block_id
     for block_id in reversed([*held, *ids]):
         allocator.free(block_id)
     result.imported = len(ids)
-    if len(ids) < len(blocks):
-        result.rejected.append(f"room for {len(ids)} of {len(blocks)} blocks")
+    if len(ids) < len(rows):
+        result.rejected.append(f"room for {len(ids)} of {len(rows)} blocks")
