@@ -46,6 +46,8 @@ bench: install
 	$(PY) -m bench stack --stacks ours,ray-llm,rev:811f5fb --repeats 2 --prompts 120 \
 	    --prefixes 6 --prefix-len 512 --suffix-len 64 --output-len 64 --rate 4 \
 	    --concurrency 8 --seed 0 --out results/stack.json
+	$(PY) -m bench engine --model smollm2-135m-instruct --dtype bfloat16 --threads 2 \
+	    --pull 1024 --repeats 6 --max-num-batched-tokens 512 --out results/pull.json
 	$(PY) -m bench structured --model smollm2-135m-instruct --dtype bfloat16 --threads 2 \
 	    --batch 16 --tokens 64 --repeats 4 --auto-prompts 20 --out results/structured.json
 	$(PY) -m bench speed --model smollm2-135m-instruct --dtype bfloat16 \

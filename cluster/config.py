@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kvindex.config import IndexConfig
 from replica.config import EngineConfig
 from replica.deployment import ReplicaArgs
+from replica.pull import PullConfig
 from router.config import PrefillCostRouting, RoutingConfig
 
 
@@ -80,6 +81,10 @@ class ClusterArgs(BaseModel):
     )
     routing: RoutingConfig = Field(default_factory=PrefillCostRouting)
     index: IndexConfig = IndexConfig()
+    pull: PullConfig = Field(
+        default_factory=PullConfig,
+        description="a replica pulls prefix blocks another holds instead of recomputing them",
+    )
     api_keys: list[str] = Field(
         default_factory=list, description="if any, required as 'Bearer <key>' (not /health)"
     )
@@ -99,4 +104,4 @@ class ClusterArgs(BaseModel):
 
     def replica_args(self) -> ReplicaArgs:
         """What an engine replica needs: its engine and the index it publishes to."""
-        return ReplicaArgs(engine=self.engine, index=self.index)
+        return ReplicaArgs(engine=self.engine, index=self.index, pull=self.pull)

@@ -28,8 +28,10 @@ from kvindex.config import IndexConfig
 from kvindex.writer import IndexWriter
 from replica.config import EngineConfig
 from replica.engine import Engine
-from replica.messages import EngineRequest, RequestOutput
+from replica.engine.transfer import PrefixExport, export_prefix
+from replica.messages import EngineRequest, PullRequest, RequestOutput
 from replica.publisher import IndexPublisher
+from replica.pull import PullConfig, Puller
 
 log = logging.getLogger("ray.serve")
 
@@ -50,6 +52,7 @@ class ReplicaArgs(BaseModel):
 
     engine: EngineConfig = EngineConfig()
     index: IndexConfig = IndexConfig()
+    pull: PullConfig = PullConfig()
 
 
 class EngineFailedError(RuntimeError):
@@ -77,6 +80,9 @@ class EngineReplica:
         self._audits = 0
         self._audit_error: str | None = None
         self._left = False
+        self.puller = Puller(
+            self.engine, self._on_engine, self.replica_id, self.args.index, self.args.pull
+        )
         atexit.register(self._leave_index)
         self.publisher.start()
 
@@ -99,6 +105,7 @@ class EngineReplica:
         structured = request.params.structured
         if structured is not None:  # compiled (once per schema) off the engine's thread
             await loop.run_in_executor(None, self.engine.grammars.compile, structured)
+        await self.puller.before_admission(request)
         await loop.run_in_executor(self._executor, add)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[rid] = queue
@@ -119,6 +126,19 @@ class EngineReplica:
             if not finished:  # cancelled or disconnected: free its blocks (not awaited)
                 loop.run_in_executor(self._executor, self.engine.abort_request, rid)
 
+    async def export_prefix(self, request: PullRequest) -> PrefixExport:
+        """This replica's verified cached prefix of another replica's prompt (between steps,
+        on the engine's thread)."""
+        return await self._on_engine(
+            export_prefix, self.engine, request.prompt_token_ids, request.cache_salt
+        )
+
+    async def _on_engine(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn`` on the engine's thread (between steps, never during one)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, functools.partial(fn, *args)
+        )
+
     def record_routing_stats(self) -> dict[str, Any]:
         """The engine's counters (``EngineStats`` names, no latency percentiles: this runs
         every stats period and heartbeat) plus what only the replica knows."""
@@ -137,6 +157,7 @@ class EngineReplica:
             "pid": os.getpid(),
             "node_id": self.node_id,
             "rss_mb": _rss_mb(),
+            **self.puller.counters.to_dict(),
             "idle_audits": self._audits,
             "audit_error": self._audit_error,
         }

@@ -74,3 +74,13 @@ class RequestOutput:
         ``token_ids`` (a stream that carried them would grow quadratically; the receiver
         has the new tokens of every output)."""
         return replace(self, token_ids=[], replica_id=replica_id)
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    """A replica asking another for the verified cached prefix of a prompt
+    (``replica.engine.transfer``); routed to ``target_replica_id`` and nowhere else."""
+
+    target_replica_id: str
+    prompt_token_ids: list[int]
+    cache_salt: str | None

@@ -62,6 +62,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         self.loop = asyncio.get_running_loop()  # where the ingress's calls must run
         if not candidate_replicas:
             return []
+        target = _pull_target(pending_request)
+        if target is not None:  # a replica pulling a prefix: that holder, or none (it waits)
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
         request = _routing_request(pending_request)
         if request is None:  # not an EngineRequest (e.g. a health probe): any replica
             return [candidate_replicas]
@@ -138,6 +141,14 @@ class PrefixAwareRequestRouter(RequestRouter):
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _pull_target(pending: PendingRequest | None) -> str | None:
+    """The holder a ``PullRequest`` names (None for anything else)."""
+    if pending is None or not pending.args:
+        return None
+    target = getattr(pending.args[0], "target_replica_id", None)
+    return target if isinstance(target, str) else None
 
 
 def _routing_request(pending: PendingRequest | None) -> RoutingRequest | None:

@@ -1,21 +1,24 @@
-"""Test clusters are theirs alone: a Ray started on the machine by someone else is neither
-joined nor stopped by them.
+"""A cluster of the suite's own, on a Ray of its own, with pulls on (``replica.pull``):
 
-The outside cluster here is started as a user starts one (``ray start --head``), in a
-temporary folder this test then makes the machine's default (``RAY_TMPDIR``, where ``ray``
-and ``serve run`` look for a running cluster), so that a harness that joined "the local
-cluster" would find it. The suite's cluster starts, serves and stops; the outside cluster's
-processes are then the very same ones, alive, and it runs no Serve application.
+* a pulled prefix: a long prompt served on one replica, then the same prefix on the other
+  (round robin sends it there), which pulls the blocks from the first and hits them;
+* isolation: a Ray started on the machine by someone else is neither joined nor stopped.
+  The outside cluster is started as a user starts one (``ray start --head``), in a
+  temporary folder this module makes the machine's default (``RAY_TMPDIR``, where ``ray``
+  and ``serve run`` look for a running cluster), so that a harness that joined "the local
+  cluster" would find it. After the suite's cluster started, served and stopped, the outside
+  cluster's processes are the very same ones, alive, and it runs no Serve application.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
+import openai
 import pytest
 from conftest import tiny
 
@@ -24,47 +27,78 @@ from bench.harness.private_ray import PrivateRay
 from bench.harness.redis_server import LocalRedis
 from cluster.config import ClusterArgs
 from kvindex.config import IndexConfig
+from replica.pull import PullConfig
+from router.config import routing_config
 
 
-@pytest.fixture()
-def outside(tmp_path: Path) -> Iterator[PrivateRay]:
-    ray = PrivateRay(tmp_path / "outside.log").start({})
+@pytest.fixture(scope="module")
+def outside(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRay]:
+    ray = PrivateRay(tmp_path_factory.mktemp("outside") / "ray.log").start({})
+    STARTED.update(ray.pids())  # before the suite's cluster exists
     try:
         yield ray
     finally:
         ray.stop()
 
 
-def test_a_ray_started_outside_the_suite_is_left_alone(
-    outside: PrivateRay, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("RAY_TMPDIR", str(outside.temp_dir))  # "the machine's" Ray
-    before = set(outside.pids())
-    assert before
-    with LocalRedis() as redis_server:
+STARTED: set[int] = set()  # the outside cluster's processes as it started
+
+
+@pytest.fixture(scope="module")
+def cluster(outside: PrivateRay) -> Iterator[ServeCluster]:
+    with pytest.MonkeyPatch.context() as patch, LocalRedis() as redis_server:
+        patch.setenv("RAY_TMPDIR", str(outside.temp_dir))  # "the machine's" Ray
         args = ClusterArgs(
-            num_replicas=1,
-            engine=tiny(num_threads=1, num_blocks=64),
+            num_replicas=2,
+            replica_num_cpus=0.5,
+            engine=tiny(num_threads=1, num_blocks=256, max_model_len=2048),
+            routing=routing_config(policy="round_robin", stats_period_s=0.5),
+            pull=PullConfig(enabled=True),
             index=IndexConfig(url=redis_server.url, cluster="isolation"),
         )
-        with ServeCluster(args) as cluster:
-            reply = httpx.post(
-                f"{cluster.base_url}/v1/completions",
-                json={"model": "tiny-llama-6m", "prompt": "hi", "max_tokens": 2},
-                timeout=60,
-            )
-            assert reply.status_code == 200
-            own = set(cluster.ray_pids())
-            assert own and not own & before
-    assert set(outside.pids()) == before  # alive, and nothing started in it
+        with ServeCluster(args) as c:
+            yield c
+
+
+def chat(cluster: ServeCluster, system: str, question: str):
+    client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="x", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny-llama-6m",
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        max_tokens=4,
+        temperature=0,
+    )
+    return raw.parse(), raw.headers["x-replica-id"]
+
+
+def test_a_replica_pulls_the_prefix_another_holds(cluster: ServeCluster) -> None:
+    system = "A long shared system prompt, computed once and pulled after. " * 20
+    first, on_first = chat(cluster, system, "P1?")
+    time.sleep(0.5)  # the holder's publisher sends its new blocks to the index (ms)
+    second, on_second = chat(cluster, system, "P2?")
+    assert on_first != on_second  # round robin
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= len(system)  # bytes: tokens
+    assert second.choices[0].message.content is not None
+    deadline = time.monotonic() + 10  # the puller's counters, a stats period later
+    while not (stats := cluster.stats()["replicas"][on_second]).get("pulled_blocks"):
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.2)
+    assert stats["pulls"] == 1 and stats["pulls_failed"] == 0
+    assert stats["pulled_blocks"] * 16 >= len(system) and stats["pull_blocks_refused"] == 0
+
+
+def test_a_ray_started_outside_the_suite_is_left_alone(
+    outside: PrivateRay, cluster: ServeCluster
+) -> None:
+    own = set(cluster.ray_pids())
+    assert STARTED and own and not own & STARTED
+    assert set(outside.pids()) == STARTED  # nothing of the suite's cluster started in it
+    cluster.stop()
+    assert set(outside.pids()) == STARTED  # and stopping it stopped nothing of the outside
+    ray = str(Path(sys.executable).with_name("ray"))
+    address = outside.env["RAY_ADDRESS"]
     status = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("ray")),
-            "status",
-            f"--address={outside.env['RAY_ADDRESS']}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
+        [ray, "status", f"--address={address}"], capture_output=True, text=True, timeout=60
     )
     assert status.returncode == 0, status.stdout + status.stderr

@@ -22,6 +22,7 @@ token. Imported blocks take free or least recently used cached blocks, never one
 
 from __future__ import annotations
 
+import warnings
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -171,7 +172,9 @@ def _publish(
     ids = allocator.allocate(min(len(rows), allocator.num_available))
     if ids:
         flat = data.view(torch.uint8).view(data.shape[0], -1)
-        flat[ids] = torch.from_numpy(np.ascontiguousarray(rows[: len(ids)]))
+        with warnings.catch_warnings():  # a read-only array (Ray's shared memory): only read
+            warnings.simplefilter("ignore", UserWarning)
+            flat[ids] = torch.from_numpy(np.ascontiguousarray(rows[: len(ids)]))
     parent = held[-1] if held else None
     for offset, block_id in enumerate(ids):
         i = len(held) + offset

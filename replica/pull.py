@@ -1,0 +1,134 @@
+"""Pull, don't recompute: before a replica admits a request, it asks the index who holds the
+longest run of the request's prompt blocks; when another live replica holds at least
+``min_blocks`` more of them than this one, it pulls the missing blocks from that replica
+(``EngineReplica.export_prefix``, through a Serve handle routed to exactly that replica;
+the KV travels through Ray's object store) and imports them, verified, before admission
+(``replica.engine.transfer``). The request then hits them like any local prefix, and
+``cached_tokens`` counts them.
+
+Nothing waits on a pull for long: the index answers within its own timeout, the pull has
+``timeout_s``; a late, failed or refused pull costs a recompute, never an error or a wrong
+token. Counted per replica: pulls, blocks and bytes pulled, seconds spent, failed pulls
+(timeout, dead or busy holder) and refused blocks (verification).
+
+Known limit: once a replica holds a Serve handle (its first pull), a SIGTERM sent to its
+process alone no longer ends it (Ray's handler never runs; the process stays until Serve or
+the raylet stops it, and its index entry until its heartbeat lapses). Serve's own stops
+(Ctrl-C, scale-down, redeploy) are unaffected. Measured in docs/decisions.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvindex.config import IndexConfig
+from kvindex.reader import IndexReader
+from replica.engine import Engine
+from replica.engine.transfer import import_prefix
+from replica.messages import EngineRequest, PullRequest
+
+log = logging.getLogger("ray.serve")
+
+
+class PullConfig(BaseModel):
+    """When a replica pulls a prefix from another instead of recomputing it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # off by default until the router prices a pull and the simulator models it (issue 23):
+    # today a pull changes where work happens without the routing policy knowing
+    enabled: bool = False
+    min_blocks: int = Field(4, ge=1, description="pull only when this many blocks are missing")
+    timeout_s: float = Field(2.0, gt=0, description="a pull not back by then is given up")
+
+
+@dataclass
+class PullCounters:
+    pulls: int = 0
+    pulled_blocks: int = 0
+    pulled_bytes: int = 0
+    pull_seconds: float = 0.0
+    pulls_failed: int = 0
+    pull_blocks_refused: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Puller:
+    def __init__(
+        self,
+        engine: Engine,
+        run_on_engine: Any,
+        replica_id: str,
+        index: IndexConfig,
+        config: PullConfig,
+    ) -> None:
+        self.engine = engine
+        self.run_on_engine = run_on_engine  # async (fn, *args): run on the engine's thread
+        self.replica_id = replica_id
+        self.config = config
+        self.reader = IndexReader(index, engine.config.model_id)
+        self.counters = PullCounters()
+        self._handle: Any = None
+
+    async def before_admission(self, request: EngineRequest) -> None:
+        """Pull what another replica holds of the request's prefix and this one lacks."""
+        route = request.route
+        if not self.config.enabled or route is None:
+            return
+        if len(route.block_hashes) < self.config.min_blocks:
+            return
+        holder = await self._best_holder(route.block_hashes)
+        if holder is None:
+            return
+        ids = [*request.prompt_token_ids, *request.output_token_ids]
+        start = time.monotonic()
+        pull = PullRequest(holder, ids, request.cache_salt)
+        try:
+            export = await asyncio.wait_for(
+                self._export_handle().export_prefix.remote(pull), self.config.timeout_s
+            )
+        except Exception as exc:  # late, dead or refusing holder: recompute instead
+            self.counters.pulls_failed += 1
+            log.warning("pull from %s failed: %s", holder, type(exc).__name__)
+            return
+        result = await self.run_on_engine(
+            import_prefix, self.engine, ids, request.cache_salt, export
+        )
+        c = self.counters
+        c.pulls += 1
+        c.pulled_blocks += result.imported
+        c.pulled_bytes += result.imported * (export.num_bytes // max(1, len(export.blocks)))
+        c.pull_seconds += time.monotonic() - start
+        c.pull_blocks_refused += len(export.blocks) - result.already_held - result.imported
+
+    async def _best_holder(self, chain: Any) -> str | None:
+        """The live replica that has published the most more of ``chain`` than this one
+        (by the index's answer, which costs no wait on the engine), if enough more."""
+        answer = await self.reader.aquery(chain)
+        if not answer:
+            return None
+        own = answer.get(self.replica_id)
+        have = (own.cached_blocks or 0) if own is not None else 0
+        others = [s for s in answer.values() if s.replica_id != self.replica_id]
+        best = max(others, key=lambda s: s.cached_blocks or 0, default=None)
+        if best is None or (best.cached_blocks or 0) - have < self.config.min_blocks:
+            return None
+        return best.replica_id
+
+    def _export_handle(self) -> Any:
+        if self._handle is None:
+            from ray import serve
+
+            context = serve.get_replica_context()
+            self._handle = serve.get_deployment_handle(
+                context.deployment, app_name=context.app_name
+            )
+        return self._handle
