@@ -66,6 +66,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV)
 
 
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.pull:
         return pull_costs(args)
@@ -77,14 +88,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         output_tokens=(low, high),
     )
-    config = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        num_threads=args.threads,
-        num_blocks=args.num_blocks,
-        block_size=args.block_size,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+    config = engine_config(args)
     tokenizer = checkpoint_for(config.model).tokenizer()
     trace = [
         TimedRequest(r.request_id, r.arrival_s, r.token_ids(tokenizer), r.max_tokens)
@@ -118,14 +122,7 @@ PULL_MODES = ("computed", "local_hit", "pulled")
 
 
 def pull_costs(args: argparse.Namespace) -> dict[str, Any]:
-    config = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        num_threads=args.threads,
-        num_blocks=args.num_blocks,
-        block_size=args.block_size,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+    config = engine_config(args)
     holder, puller = Engine(config), Engine(config)
     vocab = config.shape.vocab_size
     prefix = [(13 * i + 7) % (vocab - 20) + 10 for i in range(args.pull)]
