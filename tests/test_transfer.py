@@ -4,13 +4,19 @@ with the block accounting of both engines adding up."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 import pytest
 from conftest import tiny
 
+from kvindex.config import IndexConfig
+from kvindex.records import RoutingRequest
+from kvindex.writer import IndexWriter
 from replica.engine import Engine, SamplingParams
 from replica.engine.transfer import PrefixExport, export_prefix, import_prefix
+from replica.messages import EngineRequest, PullRequest
+from replica.pull import PullConfig, Puller
 
 BS = 16
 PROMPT = [(7 * i + 3) % 250 for i in range(8 * BS + 5)]  # 8 full blocks and 5 tokens
@@ -150,3 +156,66 @@ def test_layouts_must_agree() -> None:
         Engine(tiny(num_blocks=64)), PROMPT, None, export_prefix(holder, PROMPT, None)
     )
     assert result.imported == 0 and "layout" in result.rejected[0]
+
+
+# --- a replica's puller, with a real index and the holder behind a stand-in for Serve's
+# handle (the one part a user never touches): what it pulls, and how it gives up ---
+
+
+class HolderHandle:
+    """``handle.export_prefix.remote(pull)`` as Serve routes it to the holder: its answer,
+    after ``delay_s``, or the holder's death."""
+
+    def __init__(self, holder: Engine, delay_s: float = 0.0, dead: bool = False) -> None:
+        self.holder, self.delay_s, self.dead = holder, delay_s, dead
+        self.export_prefix = self
+
+    def remote(self, pull: PullRequest):
+        async def answer():
+            await asyncio.sleep(self.delay_s)
+            if self.dead:
+                raise ConnectionError("the holder died")
+            return export_prefix(self.holder, pull.prompt_token_ids, pull.cache_salt)
+
+        return answer()
+
+
+def pull_then_serve(url: str, holder: Engine, handle: HolderHandle):
+    """Index the holder's blocks, let a fresh engine's puller act, then serve there."""
+    engine = Engine(tiny(num_blocks=64))
+    chain = engine.hasher.chain(PROMPT, None)
+    writer = IndexWriter(IndexConfig(url=url, cluster="pull"), engine.config.model_id)
+    writer.register("holder", "e1")
+    writer.publish("holder", "e1", chain)
+
+    async def on_engine(fn, *args):
+        return fn(*args)
+
+    config = PullConfig(enabled=True, min_blocks=2, timeout_s=0.5)
+    puller = Puller(engine, on_engine, "puller", IndexConfig(url=url, cluster="pull"), config)
+    puller._handle = handle
+    route = RoutingRequest("r", chain, chain[0], len(PROMPT), BS, max_tokens=12)
+    asyncio.run(puller.before_admission(EngineRequest("r", PROMPT, GREEDY, route)))
+    return served(engine), puller.counters
+
+
+def test_a_puller_pulls_what_the_index_says_another_replica_holds(fresh_redis) -> None:
+    holder = Engine(tiny(num_blocks=64))
+    want = served(holder)
+    got, counters = pull_then_serve(fresh_redis.url, holder, HolderHandle(holder))
+    assert got.num_cached_tokens == 8 * BS and got.token_ids == want.token_ids
+    assert (counters.pulls, counters.pulled_blocks, counters.pulls_failed) == (1, 8, 0)
+    assert counters.pulled_bytes == 8 * holder.runner.kv_cache.data[0].nbytes
+
+
+@pytest.mark.parametrize("handle", ["late", "dead", "evicted"])
+def test_a_late_dead_or_emptied_holder_costs_a_recompute(fresh_redis, handle: str) -> None:
+    holder = Engine(tiny(num_blocks=64))
+    want = served(holder)
+    if handle == "evicted":  # the index still lists blocks the holder no longer has
+        holder.reset_prefix_cache()
+    stand_in = HolderHandle(holder, delay_s=2.0 if handle == "late" else 0.0, dead=handle == "dead")
+    got, counters = pull_then_serve(fresh_redis.url, holder, stand_in)
+    assert got.num_cached_tokens == 0 and got.token_ids == want.token_ids
+    assert counters.pulled_blocks == 0
+    assert counters.pulls_failed == (handle != "evicted")
