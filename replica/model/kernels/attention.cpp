@@ -562,15 +562,6 @@ void check_attention_args(const at::Tensor& q, const at::Tensor& kv, int64_t lay
   TORCH_CHECK(tile_rows.size(0) == q.size(0), "tiles must cover every query once");
 }
 
-template <typename Fn> void dispatch(at::ScalarType type, const char* name, const Fn& fn) {
-  switch (type) {
-    case at::kFloat: fn(float{}); break;
-    case at::kDouble: fn(double{}); break;
-    case at::kBFloat16: fn(c10::BFloat16{}); break;
-    default: TORCH_CHECK(false, name, ": unsupported dtype ", type);
-  }
-}
-
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
                            const at::Tensor& block_tables, const at::Tensor& query_seq,
                            const at::Tensor& query_ctx, const at::Tensor& tile_starts,

@@ -55,15 +55,6 @@ template <typename Fn> void over_rows(int64_t rows, int64_t width, const Fn& fn)
   });
 }
 
-template <typename Fn> void dispatch(at::ScalarType type, const char* name, const Fn& fn) {
-  switch (type) {
-    case at::kFloat: fn(float{}); break;
-    case at::kDouble: fn(double{}); break;
-    case at::kBFloat16: fn(c10::BFloat16{}); break;
-    default: TORCH_CHECK(false, name, ": unsupported dtype ", type);
-  }
-}
-
 void check_rows(const at::Tensor& x, const at::Tensor& w, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": x must be [rows, width], rows dense");
   TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(1), name, ": weight");

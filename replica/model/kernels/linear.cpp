@@ -149,7 +149,9 @@ void panel(const T* x, int64_t ldx, const T* w, int64_t K, T* y, int64_t ldy, in
   panel_portable<T>(x, ldx, w, K, y, ldy, rows, cols);
 }
 
-template <typename Fn> void dispatch(at::ScalarType type, const char* name, const Fn& fn) {
+// float64 is refused: its matrix products are not row-invariant (see the README)
+template <typename Fn>
+void dispatch_linear(at::ScalarType type, const char* name, const Fn& fn) {
   switch (type) {
     case at::kFloat: fn(float{}); break;
     case at::kBFloat16: fn(c10::BFloat16{}); break;
@@ -162,7 +164,7 @@ at::Tensor pack_linear(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "pack_linear: a contiguous [N, K]");
   const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kPanel - 1) / kPanel;
   at::Tensor out;
-  dispatch(weight.scalar_type(), "pack_linear", [&](auto zero) {
+  dispatch_linear(weight.scalar_type(), "pack_linear", [&](auto zero) {
     using T = decltype(zero);
     constexpr int64_t P = pack_of<T>();
     TORCH_CHECK(K % P == 0, "pack_linear: K must be a multiple of ", P);
@@ -186,7 +188,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
   TORCH_CHECK(packed.size(1) * packed.size(3) == K, "linear: x's width is not the weight's K");
   TORCH_CHECK(out_features <= panels * kPanel, "linear: more outputs than the weight has");
   at::Tensor y = at::empty({M, out_features}, x.options());
-  dispatch(x.scalar_type(), "linear", [&](auto zero) {
+  dispatch_linear(x.scalar_type(), "linear", [&](auto zero) {
     using T = decltype(zero);
     const T* xp = x.data_ptr<T>();
     const T* wp = packed.data_ptr<T>();

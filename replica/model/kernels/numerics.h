@@ -3,7 +3,9 @@
 // here is exact or fixed: no compiler-chosen contraction (the build uses -ffp-contract=off).
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -15,6 +17,17 @@
 #include <cstring>
 
 namespace prefix_serve {
+
+// Calls ``fn`` with a zero of the C++ type of ``type`` (float32, float64 or bfloat16).
+template <typename Fn> void dispatch(at::ScalarType type, const char* name, const Fn& fn) {
+  switch (type) {
+    case at::kFloat: fn(float{}); break;
+    case at::kDouble: fn(double{}); break;
+    case at::kBFloat16: fn(c10::BFloat16{}); break;
+    default: TORCH_CHECK(false, name, ": unsupported dtype ", type);
+  }
+}
+
 
 // A subnormal float as zero of the same sign (what VDPBF16PS does to its inputs and results).
 inline float flush(float x) { return std::fabs(x) < FLT_MIN ? std::copysign(0.0f, x) : x; }
