@@ -16,6 +16,14 @@ from bench.loadgen import RequestResult
 from replica.engine.stats import percentile
 
 
+def spread(values: list[float]) -> dict[str, float] | None:
+    """Median, min and max of repeated measurements (None for none): how every ABBA
+    experiment reports a number and its range."""
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def summarize(
     results: list[RequestResult], makespan_s: float, replica_ids: list[str]
 ) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from bench.peers.engines import (
     ensure_vllm_venv,
     run_vllm,
 )
+from bench.report import spread
 from bench.workloads import WORKLOADS, WorkloadSpec, make_trace
 from kvindex.hashing import BlockHasher
 from replica.checkpoints import TINY_MODEL, checkpoint_for
@@ -148,12 +149,12 @@ def pull_costs(args: argparse.Namespace) -> dict[str, Any]:
             assert (out.num_cached_tokens > 0) == (mode != "computed")
     result: dict[str, Any] = {"model": config.model_id, "prefix_tokens": args.pull}
     for mode in PULL_MODES:
-        result[f"ttft_{mode}_s"] = _spread(seconds[mode])
-    result["pull_only_s"] = _spread(extra["pull_s"])
+        result[f"ttft_{mode}_s"] = spread(seconds[mode])
+    result["pull_only_s"] = spread(extra["pull_s"])
     result["pulled_bytes"] = extra["bytes"][0]
     for base in ("local_hit", "computed"):
         ratios = [a / b for a, b in zip(seconds["pulled"], seconds[base], strict=True)]
-        result[f"pulled_over_{base}"] = _spread(ratios)
+        result[f"pulled_over_{base}"] = spread(ratios)
     return result
 
 
@@ -163,10 +164,6 @@ def _carried(export: PrefixExport) -> PrefixExport:
     data = pickle.dumps(export, protocol=5, buffer_callback=buffers.append)
     stored = [bytes(b.raw()) for b in buffers]  # the put: one copy into shared memory
     return pickle.loads(data, buffers=stored)
-
-
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 @dataclass

@@ -22,7 +22,6 @@ revision, in a process of its own).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +43,7 @@ from bench.peers.engines import (
     revision_session,
     vllm_session,
 )
+from bench.report import spread
 from bench.workloads import TraceRequest
 from replica.checkpoints import SMOLLM2, checkpoint_for
 from replica.checkpoints.tokenizer import Tokenizer
@@ -107,10 +107,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rates = {name: _rates(times[name], prompts, batches, args.decode_tokens) for name in names}
     result: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "threads": args.threads}
     for name in names:
-        result[name] = {cell: _summary(values) for cell, values in rates[name].items()}
+        result[name] = {cell: spread(values) for cell, values in rates[name].items()}
     for name in names[1:]:
         result[f"{names[0]}_over_{name}"] = {
-            cell: _summary([a / b for a, b in zip(rates[names[0]][cell], values, strict=True)])
+            cell: spread([a / b for a, b in zip(rates[names[0]][cell], values, strict=True)])
             for cell, values in rates[name].items()
         }
     result["conditions"] = {
@@ -155,10 +155,6 @@ def _rates(
         rates[f"decode_tokens_per_s_b{b}"] = [b * (n - 1) / (tn - t1) for t1, tn in pairs]
         rates[f"output_tokens_per_s_b{b}"] = [b * n / tn for _, tn in pairs]
     return rates
-
-
-def _summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 class EnginePeer:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from bench.harness.memory import replica_memory
 from bench.harness.stacks import Running, ours
 from bench.peers.engines import DEFAULT_VLLM_VENV, ensure_hf_folder, ensure_vllm_venv
 from bench.peers.ray_llm_stack import ray_llm
+from bench.report import spread
 from replica.checkpoints import SMOLLM2, checkpoint_for
 
 PEERS = Path(__file__).resolve().parents[1] / "peers"
@@ -155,12 +155,12 @@ def _start(name: str, args: argparse.Namespace, python: Path, hf: Path, cold: bo
 def _summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Median, min and max of every number over the rounds; startup cold and warm apart."""
     keys = [k for k, v in rows[0].items() if isinstance(v, int | float) and k != "cold"]
-    out = {k: _spread([r[k] for r in rows if r[k] is not None]) for k in keys}
+    out = {k: spread([r[k] for r in rows if r[k] is not None]) for k in keys}
     out.pop("startup_s", None)
     out["startup_cold_s"] = [r["startup_s"] for r in rows if r["cold"]]
     out["startup_warm_s"] = [r["startup_s"] for r in rows if not r["cold"]]
-    out["replica_rss_mib"] = _spread([m["rss_mib"] for r in rows for m in r["replicas"]])
-    out["replica_pss_mib"] = _spread([m["pss_mib"] for r in rows for m in r["replicas"]])
+    out["replica_rss_mib"] = spread([m["rss_mib"] for r in rows for m in r["replicas"]])
+    out["replica_pss_mib"] = spread([m["pss_mib"] for r in rows for m in r["replicas"]])
     return out
 
 
@@ -169,10 +169,4 @@ def _ratios(ours: list[dict[str, Any]], peer: list[dict[str, Any]]) -> dict[str,
     keys = ["request_throughput", "output_throughput"] + [
         f"{w}_{q}_ms" for w in LATENCIES for q in ("p50", "p99")
     ]
-    return {k: _spread([a[k] / b[k] for a, b in zip(ours, peer, strict=True)]) for k in keys}
-
-
-def _spread(values: list[float]) -> dict[str, float] | None:
-    if not values:
-        return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return {k: spread([a[k] / b[k] for a, b in zip(ours, peer, strict=True)]) for k in keys}

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from typing import Any
 
@@ -32,6 +31,7 @@ import jsonschema
 import torch
 
 from bench.experiments.speed import workload
+from bench.report import spread
 from cluster.api.models import ChatCompletionRequest
 from cluster.api.tools import ToolCallStream, template_messages, template_tools
 from replica.checkpoints import SMOLLM2, checkpoint_for
@@ -151,9 +151,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             assert tokens == len(prompts) * args.tokens, "a reply ended early"
             rates[mix].append(tokens / (time.perf_counter() - start))
     for mix in MIXES:
-        result[f"output_tokens_per_s_{mix}"] = _summary(rates[mix])
+        result[f"output_tokens_per_s_{mix}"] = spread(rates[mix])
         ratios = [a / b for a, b in zip(rates[mix], rates["free"], strict=True)]
-        result[f"{mix}_over_free"] = _summary(ratios)
+        result[f"{mix}_over_free"] = spread(ratios)
     result["auto_tool_calls"] = _auto_tool_calls(engine, checkpoint.tokenizer(), args.auto_prompts)
     result["conditions"] = {"batch": args.batch, "tokens": args.tokens, "repeats": args.repeats}
     return result
@@ -219,7 +219,3 @@ def _first_request_costs(config: EngineConfig) -> dict[str, float]:
     engine.grammars.compile(spec)
     cached = time.perf_counter() - start
     return {"vocabulary_and_json_object_s": vocabulary, "compile_s": compile_s, "cached_s": cached}
-
-
-def _summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}

@@ -15,6 +15,7 @@ import torch
 
 import replica.model.runner as runner_mod
 from bench.experiments import speed
+from bench.report import spread
 from replica.checkpoints import SMOLLM2, checkpoint_for
 from replica.engine import EngineConfig
 from replica.model import kernels
@@ -79,7 +80,7 @@ for v in variants:
 jobs = speed._jobs(prompts, batches, 64)
 times = speed._alternate(peers, jobs, 2)
 out = {
-    v: {c: speed._summary(x) for c, x in speed._rates(times[v], prompts, batches, 64).items()}
+    v: {c: spread(x) for c, x in speed._rates(times[v], prompts, batches, 64).items()}
     for v in variants
 }
 print(json.dumps(out, indent=1))
