@@ -16,7 +16,7 @@ not resumed mid-stream (its choices would each need a continuation): it fails cl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 
 import ray
@@ -28,7 +28,8 @@ from cluster.api.errors import engine_error, replica_failed
 from replica.messages import EngineRequest, InvalidRequestError, RequestOutput
 
 
-def _call_id(call_id: str) -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def _call_id(call_id: str) -> Iterator[None]:
     """Serve's request context with ``call_id`` as its internal request id, for one call.
 
     Serve gives every call made while serving an HTTP request that request's internal id, and
@@ -38,9 +39,10 @@ def _call_id(call_id: str) -> contextlib.AbstractContextManager[None]:
     current = serve_context._get_serve_request_context()
     own = replace(current, _internal_request_id=call_id)
     token = serve_context._serve_request_context.set(own)
-    reset = contextlib.ExitStack()
-    reset.callback(serve_context._serve_request_context.reset, token)
-    return reset
+    try:
+        yield
+    finally:
+        serve_context._serve_request_context.reset(token)
 
 
 class EngineStream:
