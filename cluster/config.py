@@ -10,9 +10,9 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvindex.config import IndexConfig
+from kvindex.pulls import PullConfig
 from replica.config import EngineConfig
 from replica.deployment import ReplicaArgs
-from replica.pull import PullConfig
 from router.config import PrefillCostRouting, RoutingConfig
 
 

@@ -51,6 +51,7 @@ class ReplicaState:
     cached_blocks: int | None = None  # leading blocks of the chain it has published
     predicted_blocks: int = 0  # leading blocks recent decisions booked to it (short TTL)
     footprint_blocks: int = 0  # distinct blocks it has published (its share of the cache)
+    pullable_blocks: int = 0  # leading blocks another replica has published (kvindex.pulls)
 
     @property
     def held_blocks(self) -> int:

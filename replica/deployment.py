@@ -25,13 +25,14 @@ from pydantic import BaseModel, ConfigDict
 from ray import serve
 
 from kvindex.config import IndexConfig
+from kvindex.pulls import PullConfig
 from kvindex.writer import IndexWriter
 from replica.config import EngineConfig
 from replica.engine import Engine
 from replica.engine.transfer import PrefixExport, export_prefix
 from replica.messages import EngineRequest, PullRequest, RequestOutput
 from replica.publisher import IndexPublisher
-from replica.pull import PullConfig, Puller
+from replica.pull import Puller
 
 log = logging.getLogger("ray.serve")
 

@@ -25,27 +25,14 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from kvindex.config import IndexConfig
+from kvindex.pulls import PullConfig, pull_source
 from kvindex.reader import IndexReader
 from replica.engine import Engine
 from replica.engine.transfer import import_prefix
 from replica.messages import EngineRequest, PullRequest
 
 log = logging.getLogger("ray.serve")
-
-
-class PullConfig(BaseModel):
-    """When a replica pulls a prefix from another instead of recomputing it."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    # off by default until the router prices a pull and the simulator models it (issue 23):
-    # today a pull changes where work happens without the routing policy knowing
-    enabled: bool = False
-    min_blocks: int = Field(4, ge=1, description="pull only when this many blocks are missing")
-    timeout_s: float = Field(2.0, gt=0, description="a pull not back by then is given up")
 
 
 @dataclass
@@ -110,18 +97,12 @@ class Puller:
         c.pull_blocks_refused += len(export.blocks) - result.already_held - result.imported
 
     async def _best_holder(self, chain: Any) -> str | None:
-        """The live replica that has published the most more of ``chain`` than this one
-        (by the index's answer, which costs no wait on the engine), if enough more."""
+        """The live replica to pull ``chain`` from (``kvindex.pulls.pull_source``), by the
+        index's answer, which costs no wait on the engine."""
         answer = await self.reader.aquery(chain)
         if not answer:
             return None
-        own = answer.get(self.replica_id)
-        have = (own.cached_blocks or 0) if own is not None else 0
-        others = [s for s in answer.values() if s.replica_id != self.replica_id]
-        best = max(others, key=lambda s: s.cached_blocks or 0, default=None)
-        if best is None or (best.cached_blocks or 0) - have < self.config.min_blocks:
-            return None
-        return best.replica_id
+        return pull_source(answer.values(), self.replica_id, self.config.min_blocks)
 
     def _export_handle(self) -> Any:
         if self._handle is None:

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from kvindex.pulls import PullConfig
 from router.policies import BoundedLoad, CacheAware, PrefixAffinity, RoundRobin, RoutingPolicy
 from router.prefill_cost import CostKnobs, PrefillCost
 
@@ -102,14 +103,16 @@ def routing_config(**fields: Any) -> ServedPolicy | RayRouting:
     return policy_adapter().validate_python({"policy": "prefill_cost", **fields})
 
 
-def make_policy(config: ServedPolicy) -> RoutingPolicy:
-    """The policy a section of ours names."""
+def make_policy(config: ServedPolicy, pull: PullConfig | None = None) -> RoutingPolicy:
+    """The policy a section of ours names (``pull``: the replicas' pull section, which
+    ``prefill_cost`` prices)."""
     if isinstance(config, PrefillCostRouting):
         knobs = CostKnobs(
             config.decode_cost_tokens,
             config.sticky_budget_tokens,
             config.new_prefix_slack,
             config.min_hit_fraction,
+            pull if pull is not None and pull.enabled else None,
         )
         return PrefillCost(knobs)
     if isinstance(config, CacheAwareRouting):

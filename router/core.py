@@ -8,7 +8,8 @@ drift from production:
    answer (every router's acknowledged bookings, what each replica holds of the chain),
    plus this router's bookings the index has not acknowledged yet; without an answer, this
    router's own bookings and what it recently routed where (as predicted blocks).
-2. ``decide(request, states)``: the policy's ranking, with each replica's cache credit.
+2. ``decide(request, states)``: the policy's ranking, with each replica's cache credit (what
+   it holds, plus what it would pull when the replicas pull).
 3. ``routed(request, replica_id, decision)``: the ``Booking`` to write to the index, booked
    here too; ``acknowledged`` when the index took it.
 4. ``prefill_done`` at the request's first token, ``release`` when it ends, ``drop_replica``
@@ -20,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from kvindex.pulls import PullConfig, pulled_tokens, with_pullable
 from kvindex.records import Booking, ReplicaState, RoutingRequest
 from router.bookings import Bookings, Load
 from router.policies import RoutingPolicy, cache_credit
@@ -36,13 +38,20 @@ class Decision:
 
 
 class RoutingCore:
-    """A policy, this router's bookings, and (where the index can fail to answer) its record
-    of recent routes."""
+    """A policy, this router's bookings, (where the index can fail to answer) its record of
+    recent routes, and (``pulls``: the replicas pull prefixes) the pull rule: a replica's
+    cache credit then includes what it would pull (``kvindex.pulls``)."""
 
-    def __init__(self, policy: RoutingPolicy, recent: RecentRoutes | None = None) -> None:
+    def __init__(
+        self,
+        policy: RoutingPolicy,
+        recent: RecentRoutes | None = None,
+        pulls: PullConfig | None = None,
+    ) -> None:
         self.policy = policy
         self.bookings = Bookings()
         self.recent = recent
+        self.pulls = pulls if pulls is not None and pulls.enabled else None
 
     def states(
         self,
@@ -76,11 +85,16 @@ class RoutingCore:
                     booked_decode_blocks=load.decode_blocks,
                 )
             )
-        return states
+        return with_pullable(states) if self.pulls and answer is not None else states
 
     def decide(self, request: RoutingRequest, states: Sequence[ReplicaState]) -> Decision:
         ranking = self.policy.rank(request, states)
-        credits = {s.replica_id: cache_credit(request, s) for s in states}
+        min_blocks = self.pulls.min_blocks if self.pulls else 0
+        credits = {
+            s.replica_id: cache_credit(request, s)
+            + (pulled_tokens(request, s, min_blocks) if self.pulls else 0)
+            for s in states
+        }
         return Decision(request, ranking, credits)
 
     def routed(self, decision: Decision, replica_id: str) -> Booking:

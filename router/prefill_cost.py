@@ -20,6 +20,10 @@ in one rule set:
   disjoint caches, but never onto a busy replica (load here leaves out the credit for a
   short held head). The default slack is 0: the least loaded, footprint breaking ties
   (docs/decisions.md says why).
+* **Pulls** (``pull.enabled``; ours alone): a replica that lacks a prefix another replica
+  has published pulls it instead of recomputing it, so its cost counts those tokens at the
+  pull's price (``kvindex.pulls``), a few percent of a prefill. A busy holder then loses a
+  hot prefix's overflow, or a conversation, to an idle replica early, at little cost.
 * **Ties** break in rendezvous order of the prompt's affinity key: two ingress routers
   make the same choice for the same new prefix, and different prefixes spread.
 
@@ -32,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvindex.pulls import PullConfig, pull_price, pulled_tokens
 from kvindex.records import ReplicaState, RoutingRequest
 from router.policies import RoutingPolicy, cache_credit, rendezvous_order
 
@@ -44,6 +49,7 @@ class CostKnobs:
     sticky_budget_tokens: int = 512
     new_prefix_slack: float = 0.0
     min_hit_fraction: float = 0.5
+    pull: PullConfig | None = None  # the replicas pull prefixes: price a pull, not a prefill
 
 
 class PrefillCost(RoutingPolicy):
@@ -55,15 +61,25 @@ class PrefillCost(RoutingPolicy):
         self._last = ""
 
     def costs(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, int]:
-        """Each replica's cost for this request, in prefill tokens."""
+        """Each replica's cost for this request, in prefill tokens: a token it would pull
+        from another replica costs the pull's price, not a prefill."""
         k = self.knobs
         return {
             r.replica_id: r.booked_prefill_tokens
             + request.num_prompt_tokens
             - cache_credit(request, r)
+            - self._pull_saving(request, r)
             + k.decode_cost_tokens * r.in_flight
             for r in replicas
         }
+
+    def _pull_saving(self, request: RoutingRequest, replica: ReplicaState) -> int:
+        """Prefill tokens a pull saves ``replica`` for this request, net of its price."""
+        pull = self.knobs.pull
+        if pull is None or not pull.enabled:
+            return 0
+        tokens = pulled_tokens(request, replica, pull.min_blocks)
+        return max(0, tokens - pull_price(pull, tokens))
 
     def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> list[str]:
         if not replicas:
@@ -98,12 +114,18 @@ class PrefillCost(RoutingPolicy):
         """The replica owning the fewest cached blocks among the near-cheapest ones.
 
         Cost here is load only: the credit for a held head below ``min_hit_fraction`` (a
-        chat template's first blocks, which every replica soon holds) is left out, or with
+        chat template's first blocks, which every replica soon holds) is left out, and so
+        is what a pull of it would save, or with
         slack 0 the first replica to hold the template would win every new tenant while the
         others sat idle.
         """
         slack = self.knobs.new_prefix_slack * request.num_prompt_tokens
-        load = {r.replica_id: costs[r.replica_id] + cache_credit(request, r) for r in replicas}
+        load = {
+            r.replica_id: costs[r.replica_id]
+            + cache_credit(request, r)
+            + self._pull_saving(request, r)
+            for r in replicas
+        }
         cheapest = min(load.values())
         near = [r for r in replicas if load[r.replica_id] <= cheapest + slack]
         best = min(near, key=lambda r: (r.footprint_blocks, position[r.replica_id]))

@@ -24,6 +24,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kvindex.config import IndexConfig
+from kvindex.pulls import PullConfig
 from kvindex.reader import IndexReader
 from kvindex.records import Booking, RoutingRequest
 from router import link, routing_stats
@@ -43,9 +44,11 @@ class PrefixAwareRequestRouter(RequestRouter):
         routing: dict[str, Any] | None = None,
         model_id: str = "tiny-llama-6m",
         index: dict[str, Any] | None = None,
+        pull: dict[str, Any] | None = None,
     ) -> None:
         self.config: ServedPolicy = routing_config(**(routing or {}))  # type: ignore[assignment]
-        self.core = RoutingCore(make_policy(self.config), RecentRoutes())
+        pulls = PullConfig.model_validate(pull or {})
+        self.core = RoutingCore(make_policy(self.config, pulls), RecentRoutes(), pulls)
         self.index = IndexReader(IndexConfig.model_validate(index or {}), model_id)
         self.stats = routing_stats.RouterStats(self.config.policy)
         self._decisions: dict[str, Decision] = {}  # request -> its decision, until routed

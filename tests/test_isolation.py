@@ -27,7 +27,7 @@ from bench.harness.private_ray import PrivateRay
 from bench.harness.redis_server import LocalRedis
 from cluster.config import ClusterArgs
 from kvindex.config import IndexConfig
-from replica.pull import PullConfig
+from kvindex.pulls import PullConfig
 from router.config import routing_config
 
 

@@ -11,12 +11,13 @@ import pytest
 from conftest import tiny
 
 from kvindex.config import IndexConfig
+from kvindex.pulls import PullConfig
 from kvindex.records import RoutingRequest
 from kvindex.writer import IndexWriter
 from replica.engine import Engine, SamplingParams
 from replica.engine.transfer import PrefixExport, export_prefix, import_prefix
 from replica.messages import EngineRequest, PullRequest
-from replica.pull import PullConfig, Puller
+from replica.pull import Puller
 
 BS = 16
 PROMPT = [(7 * i + 3) % 250 for i in range(8 * BS + 5)]  # 8 full blocks and 5 tokens

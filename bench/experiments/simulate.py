@@ -4,6 +4,9 @@ Same traces, policies and report as ``routing``; ``--replicas`` may list several
 (a sweep of hit rate and load imbalance against cluster size). With ``--per-replica``, the
 request count and arrival rates are per replica, so every cluster size sees the same load
 per replica. ``--calibrate`` measures the real engine first and stores the cost model.
+A policy named with ``+pull`` (``prefill_cost+pull``) runs with the replicas pulling
+prefixes from each other (``kvindex.pulls``; ``--pull`` sets the pull section as JSON), priced
+by our policies, ignored by the peers' (their replicas still pull: a pull is the replica's).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from bench.sim.cost_model import DEFAULT_CALIBRATION, CostModel, calibrate
 from bench.sim.peer_policies import DynamoKV, RayPrefixSim, SGLangCacheAware
 from bench.sim.simulator import Simulation
 from bench.workloads import TraceRequest, fast_engine, oracle_hit_rate
+from kvindex.pulls import PullConfig
 from replica.checkpoints import checkpoint_for
 from replica.config import EngineConfig
 from router.config import make_policy
@@ -39,13 +43,27 @@ PEER_MODELS: dict[str, Callable[[], RoutingPolicy]] = {
 }
 
 
-def sim_policy(name: str, epsilon: float = 0.25, knobs: str | None = None) -> RoutingPolicy:
+def sim_policy(
+    name: str, epsilon: float = 0.25, knobs: str | None = None, pull: PullConfig | None = None
+) -> RoutingPolicy:
     """A policy by name: ours (``knobs``, JSON, overrides its routing section's fields;
-    ``epsilon`` goes to the policies that have one) and the peers' models (Ray's with its
-    old imbalance threshold of 10 as ``ray_prefix_sim_t10``)."""
+    ``epsilon`` goes to the policies that have one; ``pull`` is priced by ``prefill_cost``)
+    and the peers' models (Ray's with its old imbalance threshold of 10 as
+    ``ray_prefix_sim_t10``)."""
     if name in PEER_MODELS:
         return PEER_MODELS[name]()
-    return make_policy(our_routing(name, epsilon, json.loads(knobs) if knobs else {}))
+    return make_policy(our_routing(name, epsilon, json.loads(knobs) if knobs else {}), pull)
+
+
+def split_pull(name: str, pull_json: str | None = None) -> tuple[str, PullConfig | None]:
+    """``prefill_cost+pull`` -> (``prefill_cost``, the pull section); else (name, None)."""
+    base, plus, suffix = name.partition("+")
+    if not plus:
+        return name, None
+    if suffix != "pull":
+        raise ValueError(f"{name}: the only suffix is +pull")
+    fields = json.loads(pull_json) if pull_json else {}
+    return base, PullConfig.model_validate({**fields, "enabled": True})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--knobs", help='RoutingConfig overrides as JSON, e.g. {"decode_cost_tokens": 8}'
     )
+    parser.add_argument("--pull", help='the +pull policies\' pull section, e.g. {"min_blocks": 2}')
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -123,19 +142,26 @@ def _simulate(
     cost: CostModel,
     trace: list[TraceRequest],
 ) -> dict[str, Any]:
-    if policy not in SIMULATED:
+    name, pull = split_pull(policy, args.pull)
+    if name not in SIMULATED:
         return {"error": "not simulated: Ray's own routers run only on the real cluster"}
     t0 = time.monotonic()
     sim = Simulation(
-        sim_policy(policy, args.epsilon, args.knobs),
+        sim_policy(name, args.epsilon, args.knobs, pull),
         replicas,
         engine,
         cost,
         args.max_ongoing_requests,
+        pull=pull,
     )
     results, makespan = sim.run(trace)
     metrics = summarize(results, makespan, sorted(sim.replicas))
-    return metrics | {"hit_rate_engine": sim.engine_hit_rate(), "wall_s": time.monotonic() - t0}
+    pulls = {"pulls": sim.tally.pulls, "pulled_blocks": sim.tally.pulled_blocks} if pull else {}
+    return (
+        metrics
+        | pulls
+        | {"hit_rate_engine": sim.engine_hit_rate(), "wall_s": time.monotonic() - t0}
+    )
 
 
 def _replica_sweeps(

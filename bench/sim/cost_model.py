@@ -25,12 +25,21 @@ from replica.sampling.params import SamplingParams
 @dataclass(frozen=True)
 class CostModel:
     """Seconds per engine step: ``base + prefill_token x P + decode_seq x D``, where P is
-    the step's prefill (uncached) tokens and D its decoding sequences."""
+    the step's prefill (uncached) tokens and D its decoding sequences; and what a pull of B
+    blocks from another replica takes: ``pull_call + pull_block x B`` seconds before the
+    request is admitted, ``pull_block x B / 2`` of it on each engine's thread (the holder
+    copies the blocks out and checksums them, the puller verifies and copies them in)."""
 
     base_s: float
     prefill_token_s: float
     decode_seq_s: float
     measured: str = ""
+    pull_call_s: float = 0.0
+    pull_block_s: float = 0.0
+    pull_measured: str = ""
+
+    def pull_time(self, blocks: int) -> float:
+        return self.pull_call_s + self.pull_block_s * blocks
 
     def step_time(self, batch: ScheduledBatch) -> float:
         return (
@@ -92,12 +101,24 @@ class Clock:
         return self.now
 
 
-class CostRunner:
-    """Stands in for the model: advances the replica's clock by the step's modelled cost."""
+class BlockTags:
+    """A KV cache of one byte per block: what ``replica.engine.transfer`` copies between
+    simulated engines (the real export and import, verification included)."""
 
-    def __init__(self, cost: CostModel, clock: Clock, vocab: int) -> None:
+    def __init__(self, num_blocks: int) -> None:
+        self.data = torch.zeros(num_blocks, 1, dtype=torch.uint8)
+
+
+class CostRunner:
+    """Stands in for the model: advances the replica's clock by the step's modelled cost,
+    plus engine-thread time owed since the last step (``owed_s``: a pull's copies)."""
+
+    def __init__(self, cost: CostModel, clock: Clock, vocab: int, num_blocks: int = 1) -> None:
         self.cost, self.clock, self.vocab = cost, clock, vocab
+        self.kv_cache = BlockTags(num_blocks)
+        self.owed_s = 0.0
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        self.clock.now += self.cost.step_time(batch)
+        self.clock.now += self.cost.step_time(batch) + self.owed_s
+        self.owed_s = 0.0
         return torch.zeros(sum(batch.logit_rows), self.vocab)

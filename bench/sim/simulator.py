@@ -8,6 +8,12 @@ is an in-memory copy of the Redis index's semantics (``bench.sim.index``: publis
 from the same engine events, bookings and predicted blocks from the routing decisions). Like
 Serve, a replica takes at most ``max_ongoing_requests``; the rest wait, in order, for the
 first free slot among the replicas the policy ranked.
+
+With pulls (``pull``), a replica given a request looks the prompt up in the index as a real
+replica does and, by the same rule (``kvindex.pulls.pull_source``), pulls the blocks another
+replica has published: the real ``export_prefix`` and ``import_prefix`` move the blocks'
+metadata (the cost model's one-byte stand-in for their KV), and the request is admitted
+after the cost model's pull time, holding its slot meanwhile.
 """
 
 from __future__ import annotations
@@ -22,10 +28,12 @@ from bench.loadgen import RequestResult
 from bench.sim.cost_model import Clock, CostModel, CostRunner
 from bench.sim.index import SimIndex
 from bench.workloads import TraceRequest
+from kvindex.pulls import PullConfig, pull_source
 from kvindex.records import RoutingRequest
 from replica.checkpoints import checkpoint_for
 from replica.config import EngineConfig
 from replica.engine import Engine
+from replica.engine.transfer import PrefixExport, export_prefix, import_prefix
 from replica.messages import RequestOutput
 from replica.sampling.params import SamplingParams
 from router.core import RoutingCore
@@ -46,7 +54,20 @@ class SimReplica:
     replica_id: str
     engine: Engine
     clock: Clock
+    runner: CostRunner
     stepping: bool = False
+    pulling: int = 0  # requests given to it, admitted when their pull is done
+
+    @property
+    def busy_slots(self) -> int:
+        return self.engine.num_unfinished + self.pulling
+
+
+@dataclass
+class PullTally:
+    pulls: int = 0
+    pulled_blocks: int = 0
+    pull_s: float = 0.0
 
 
 class Simulation:
@@ -61,8 +82,12 @@ class Simulation:
         max_ongoing_requests: int = 32,
         affinity_blocks: int = 4,
         predict_ttl_s: float = 5.0,
+        pull: PullConfig | None = None,
     ) -> None:
-        self.core = RoutingCore(policy)
+        self.pull = pull if pull is not None and pull.enabled else None
+        self.cost = cost
+        self.tally = PullTally()
+        self.core = RoutingCore(policy, pulls=self.pull)
         self.config = config
         self.hasher = config.block_hasher()
         self.tokenizer = checkpoint_for(config.model).tokenizer()
@@ -73,11 +98,10 @@ class Simulation:
         for i in range(num_replicas):
             rid = f"sim-{i:04d}"
             clock = Clock()
-            engine = Engine(
-                config, runner=CostRunner(cost, clock, config.shape.vocab_size), clock=clock
-            )
+            runner = CostRunner(cost, clock, config.shape.vocab_size, config.num_blocks)
+            engine = Engine(config, runner=runner, clock=clock)
             engine.subscribe(self.index.listener(rid))
-            self.replicas[rid] = SimReplica(rid, engine, clock)
+            self.replicas[rid] = SimReplica(rid, engine, clock, runner)
 
     def reset(self, trace: Sequence[TraceRequest]) -> None:
         """Empty queues and a result slot for each request of ``trace`` (``run`` starts so)."""
@@ -99,6 +123,9 @@ class Simulation:
             if kind == "arrive":
                 assert isinstance(item, TraceRequest)
                 self._arrive(item, now)
+            elif kind == "admit":
+                assert isinstance(item, tuple)
+                self._admit(*item, now)
             else:
                 self._step(self.replicas[str(item)], now)
         makespan = max((r.clock.now for r in self.replicas.values()), default=now)
@@ -143,19 +170,54 @@ class Simulation:
         decision = self.core.decide(route, self.core.states(ids, answer, route.block_hashes))
         for rid in decision.ranking:
             replica = self.replicas[rid]
-            if replica.engine.num_unfinished >= self.max_ongoing:
+            if replica.busy_slots >= self.max_ongoing:
                 continue
             self.index.book(self.core.routed(decision, rid), t)
             self.core.acknowledged(route.request_id)
-            req = pending.request
-            params = SamplingParams(max_tokens=req.max_tokens, ignore_eos=True)
-            replica.engine.add_request(req.request_id, pending.token_ids, params, arrival_time=t)
-            self._results[req.request_id].replica = rid
-            if not replica.stepping:
-                replica.stepping = True
-                self._push(max(t, replica.clock.now), "step", rid)
+            self._results[pending.request.request_id].replica = rid
+            export = self._export(pending, rid, t) if self.pull else None
+            if export is None:
+                self._admit(replica, pending, None, t)
+            else:  # the pull's blocks arrive, and the request is admitted, later
+                replica.pulling += 1
+                pull_s = self.cost.pull_time(len(export.blocks))
+                self.tally.pull_s += pull_s
+                self._push(t + pull_s, "admit", (replica, pending, export))
             return True
         return False
+
+    def _export(self, pending: _Pending, rid: str, t: float) -> PrefixExport | None:
+        """What ``rid`` pulls for the request, as a real replica decides it (the index's
+        answer, ``pull_source``); the holder's engine thread pays its half of the copy."""
+        assert self.pull is not None
+        chain = pending.route.block_hashes
+        if len(chain) < self.pull.min_blocks:
+            return None
+        answer = self.index.query(chain, list(self.replicas), t)
+        source = pull_source(answer.values(), rid, self.pull.min_blocks)
+        if source is None:
+            return None
+        holder = self.replicas[source]
+        export = export_prefix(holder.engine, pending.token_ids, None)
+        holder.runner.owed_s += self.cost.pull_block_s * len(export.blocks) / 2
+        return export
+
+    def _admit(
+        self, replica: SimReplica, pending: _Pending, export: PrefixExport | None, t: float
+    ) -> None:
+        """Import what was pulled (verified), then hand the request to the engine."""
+        if export is not None:
+            replica.pulling -= 1
+            result = import_prefix(replica.engine, pending.token_ids, None, export)
+            replica.runner.owed_s += self.cost.pull_block_s * len(export.blocks) / 2
+            self.tally.pulls += 1
+            self.tally.pulled_blocks += result.imported
+        req = pending.request
+        params = SamplingParams(max_tokens=req.max_tokens, ignore_eos=True)
+        replica.engine.add_request(req.request_id, pending.token_ids, params, arrival_time=t)
+        if not replica.stepping:
+            replica.stepping = True
+            self._push(max(t, replica.clock.now), "step", replica.replica_id)
 
     def engine_hit_rate(self) -> float:
         prompt = sum(r.engine.metrics.prompt_tokens for r in self.replicas.values())

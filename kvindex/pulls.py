@@ -1,0 +1,85 @@
+"""The pull rule, written once: when a replica pulls a prompt's blocks from another replica
+instead of recomputing them, from which one, and what the router charges for it.
+
+A replica about to admit a request asks the index what every live replica has *published*
+of the prompt's chain; the one that has published the most is the source, if it holds at
+least ``min_blocks`` more leading blocks than the replica itself (``pull_source``). The
+replica (``replica.pull``), the router pricing a pull (``router.prefill_cost``) and the
+simulator (``bench.sim``) all call these functions, so they agree on when a pull happens.
+
+Prices are in prefill tokens, the routing policy's unit: a pulled token costs
+``token_cost`` of a computed one (bytes per token over the copy's bandwidth, in units of a
+prefill token's compute time) and each pull ``call_cost_tokens`` more (the index query and
+the call to the holder). Both defaults are measured: ``python -m bench engine --pull``
+and the cluster's own pulls, docs/results.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import replace
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvindex.records import ReplicaState, RoutingRequest
+
+
+class PullConfig(BaseModel):
+    """When a replica pulls a prefix from another instead of recomputing it (``pull:`` in
+    the Serve config; the router prices pulls with the same section)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    min_blocks: int = Field(4, ge=1, description="pull only when this many blocks are missing")
+    timeout_s: float = Field(2.0, gt=0, description="a pull not back by then is given up")
+    token_cost: float = Field(
+        0.05, ge=0, le=1, description="the router's price of a pulled token, in prefill tokens"
+    )
+    call_cost_tokens: int = Field(
+        24, ge=0, description="the router's price of one pull's calls, in prefill tokens"
+    )
+
+
+def pull_source(states: Iterable[ReplicaState], replica_id: str, min_blocks: int) -> str | None:
+    """The replica ``replica_id`` would pull from: the one that has published the most of
+    the chain (ties: the first listed), if that is ``min_blocks`` or more beyond what
+    ``replica_id`` has published itself; else None."""
+    own, best = 0, None
+    for state in states:
+        held = state.cached_blocks or 0
+        if state.replica_id == replica_id:
+            own = held
+        elif best is None or held > (best.cached_blocks or 0):
+            best = state
+    if best is None or (best.cached_blocks or 0) - own < min_blocks:
+        return None
+    return best.replica_id
+
+
+def with_pullable(states: list[ReplicaState]) -> list[ReplicaState]:
+    """``states`` with ``pullable_blocks`` set: for each replica, the most any *other*
+    replica has published of the chain (what it could pull)."""
+    held = sorted(((s.cached_blocks or 0), s.replica_id) for s in states)
+    if len(held) < 2:
+        return states
+    (second, _), (first, first_id) = held[-2], held[-1]
+    return [
+        replace(s, pullable_blocks=second if s.replica_id == first_id else first) for s in states
+    ]
+
+
+def pulled_tokens(request: RoutingRequest, state: ReplicaState, min_blocks: int) -> int:
+    """Prompt tokens ``state``'s replica would pull for ``request``: what another replica
+    has published beyond what this one holds, if ``min_blocks`` or more (0 otherwise)."""
+    usable_blocks = request.usable_tokens // request.block_size
+    missing = min(state.pullable_blocks, usable_blocks) - min(state.held_blocks, usable_blocks)
+    return missing * request.block_size if missing >= min_blocks else 0
+
+
+def pull_price(config: PullConfig, tokens: int) -> int:
+    """What pulling ``tokens`` costs, in prefill tokens (0 for no pull)."""
+    if tokens <= 0:
+        return 0
+    return config.call_cost_tokens + math.ceil(tokens * config.token_cost)
