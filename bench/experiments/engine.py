@@ -1,18 +1,10 @@
 """``engine``: one trace through one engine with the prefix cache off and on (ABBA), and,
 with ``--vllm``, through vLLM's CPU build with its prefix cache on: same token ids, same
-arrival times, same machine, one run.
-
-``--pull N``: instead, what a prefix of N tokens costs a request's first token three ways:
-computed (nothing cached), a local hit, and pulled from another engine that holds it
-(``replica.engine.transfer``: exported, carried as Ray's object store carries it between
-processes of a node (pickled with its array out of band, the array copied once, as a put
-into shared memory does), verified and imported, then admitted as a local hit). Two engines
-in one process, the three alternated (A B C C B A ...), medians and ranges."""
+arrival times, same machine, one run."""
 
 from __future__ import annotations
 
 import argparse
-import pickle
 import statistics
 import time
 from dataclasses import dataclass
@@ -27,13 +19,11 @@ from bench.peers.engines import (
     ensure_vllm_venv,
     run_vllm,
 )
-from bench.report import spread
 from bench.workloads import WORKLOADS, WorkloadSpec, make_trace
 from kvindex.hashing import BlockHasher
 from replica.checkpoints import TINY_MODEL, checkpoint_for
 from replica.engine import Engine, EngineConfig, SamplingParams
 from replica.engine.stats import EngineMetrics, percentile
-from replica.engine.transfer import PrefixExport, export_prefix, import_prefix
 from replica.model.runner import ModelRunner
 
 
@@ -63,7 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats", type=int, default=2, help="runs per mode, in ABBA order (off on on off)"
     )
     parser.add_argument("--vllm", action="store_true", help="also run vLLM (cache on)")
-    parser.add_argument("--pull", type=int, default=0, help="prefix tokens: measure a pull")
     parser.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV)
 
 
@@ -79,8 +68,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.pull:
-        return pull_costs(args)
     low, high = (int(x) for x in args.output_tokens.split(","))
     spec = WorkloadSpec(
         args.trace,
@@ -117,53 +104,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     result["conditions"] = _conditions(args, config, runner)
     return result
-
-
-PULL_MODES = ("computed", "local_hit", "pulled")
-
-
-def pull_costs(args: argparse.Namespace) -> dict[str, Any]:
-    config = engine_config(args)
-    holder, puller = Engine(config), Engine(config)
-    vocab = config.shape.vocab_size
-    prefix = [(13 * i + 7) % (vocab - 20) + 10 for i in range(args.pull)]
-    _warm_up(holder)
-    _warm_up(puller)
-    holder.generate([prefix + [5]], SamplingParams(max_tokens=1))  # the holder caches it
-    seconds: dict[str, list[float]] = {m: [] for m in PULL_MODES}
-    extra: dict[str, list[float]] = {"pull_s": [], "bytes": []}
-    for rep in range(args.repeats):
-        for mode in PULL_MODES if rep % 2 == 0 else PULL_MODES[::-1]:
-            prompt = prefix + [6 + rep, 9]  # a new suffix every time
-            puller.reset_prefix_cache()
-            start = time.perf_counter()
-            if mode == "pulled":
-                carried = _carried(export_prefix(holder, prompt, None))
-                imported = import_prefix(puller, prompt, None, carried)
-                assert not imported.rejected, imported.rejected
-                extra["pull_s"].append(time.perf_counter() - start)
-                extra["bytes"].append(carried.num_bytes)
-            engine = holder if mode == "local_hit" else puller
-            (out,) = engine.generate([prompt], SamplingParams(max_tokens=1))
-            seconds[mode].append(time.perf_counter() - start)
-            assert (out.num_cached_tokens > 0) == (mode != "computed")
-    result: dict[str, Any] = {"model": config.model_id, "prefix_tokens": args.pull}
-    for mode in PULL_MODES:
-        result[f"ttft_{mode}_s"] = spread(seconds[mode])
-    result["pull_only_s"] = spread(extra["pull_s"])
-    result["pulled_bytes"] = extra["bytes"][0]
-    for base in ("local_hit", "computed"):
-        ratios = [a / b for a, b in zip(seconds["pulled"], seconds[base], strict=True)]
-        result[f"pulled_over_{base}"] = spread(ratios)
-    return result
-
-
-def _carried(export: PrefixExport) -> PrefixExport:
-    """``export`` as another process on the node reads it from Ray's object store."""
-    buffers: list[pickle.PickleBuffer] = []
-    data = pickle.dumps(export, protocol=5, buffer_callback=buffers.append)
-    stored = [bytes(b.raw()) for b in buffers]  # the put: one copy into shared memory
-    return pickle.loads(data, buffers=stored)
 
 
 @dataclass

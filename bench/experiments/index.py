@@ -11,7 +11,7 @@ from typing import Any
 
 import redis
 
-from bench.experiments.index_scale import measure_scale
+from bench.harness.index_scale import measure_scale
 from bench.harness.redis_server import LocalRedis
 from kvindex.config import IndexConfig
 from kvindex.hashing import BlockHasher

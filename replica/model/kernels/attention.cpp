@@ -21,8 +21,8 @@
 // where E is the polynomial exp below and tree16 adds lanes (l, l+8), (l, l+4), (l, l+2),
 // (0, 1). Two passes, not an online softmax: the maximum is known before any exponential,
 // so nothing is ever rescaled, and per key the work is a dot product, an exponential and an
-// axpy. Two implementations follow the spec: a portable one and an AVX-512 one for 16-token
-// blocks; they agree bit for bit (a test compares them), so the portable one is also the
+// axpy. Three implementations follow the spec: a portable one, an AVX-512 one and an AVX2
+// one (CPUs without AVX-512) for 16-token blocks; they agree bit for bit (a test compares them), so the portable one is also the
 // vector one's reference. AVX-512 BF16's VDPBF16PS is exactly the spec's pair step (odd
 // element first, each product exact, each add rounded, subnormals flushed), which a test
 // also checks.
@@ -45,7 +45,7 @@
 
 #include "numerics.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -58,6 +58,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -336,6 +337,149 @@ void unit_avx512_any(QueryState<T>* states, const int64_t* n, int count, const T
 }
 #endif
 
+// ---- the AVX2 + FMA implementation (CPUs without AVX-512; 16-token blocks) ----
+// Query by query, head by head, like the portable code, with a unit's 16 lanes in two
+// 8-float vectors: the same operations lane by lane in the same order, so the two agree bit
+// for bit. bfloat16's pair step flushes subnormals as VDPBF16PS does: MXCSR's DAZ and FTZ are
+// set around exactly the product-add loops (the scaling, exp and sums round as the spec's).
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define PREFIX_SERVE_AVX2 1
+
+struct FlushDenormals {  // DAZ and FTZ for this thread while in scope (bfloat16 only)
+  unsigned saved;
+  explicit FlushDenormals(bool on) : saved(_mm_getcsr()) {
+    if (on) _mm_setcsr(saved | 0x8040u);
+  }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+};
+
+// exp_spec, lane by lane, with the same operations in the same order.
+inline __m256 exp8(__m256 x) {
+  const __m256 low = _mm256_set1_ps(kExpLow);
+  const __m256 under = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
+  const __m256 xc = _mm256_blendv_ps(x, low, under);
+  const __m256 n = _mm256_floor_ps(
+      _mm256_fmadd_ps(xc, _mm256_set1_ps(kLog2e), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(kLn2Hi), xc);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(kP0), r, _mm256_set1_ps(kP1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP4));
+  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 out = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(under, out);
+}
+
+// Lanes [8 * half, 8 * half + 8) valid below n: all ones, else zero.
+inline __m256 valid8(int64_t n, int half) {
+  const __m256i lane = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                        _mm256_set1_epi32(8 * half));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
+}
+
+// A pair row of 8 lanes (bfloat16 pairs as 32-bit units): its odd and even elements.
+inline __m256 odd8(__m256i pairs) {
+  return _mm256_castsi256_ps(
+      _mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+inline __m256 even8(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
+inline __m256i load8i(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+template <typename T>
+void qk_avx2(const T* q, const T* k, int64_t dim, __m256 (&acc)[2]) {
+  FlushDenormals daz(Traits<T>::pack == 2);
+  for (int64_t i = 0; i < dim / Traits<T>::pack; ++i) {
+    if constexpr (Traits<T>::pack == 2) {
+      const __m256 qo = _mm256_set1_ps(widen(q[2 * i + 1])), qe = _mm256_set1_ps(widen(q[2 * i]));
+      for (int h = 0; h < 2; ++h) {
+        const __m256i keys = load8i(k + (i * kLanes + 8 * h) * 2);
+        acc[h] = _mm256_fmadd_ps(qe, even8(keys), _mm256_fmadd_ps(qo, odd8(keys), acc[h]));
+      }
+    } else {
+      const __m256 qd = _mm256_set1_ps(widen(q[i]));
+      for (int h = 0; h < 2; ++h)
+        acc[h] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + i * kLanes + 8 * h), acc[h]);
+    }
+  }
+}
+
+template <typename T>
+void scores_avx2(const T* q, const T* k, int64_t n, const Geometry& g, float scale, float* s,
+                 float* vmax) {
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  qk_avx2<T>(q, k, g.head_dim, acc);
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int h = 0; h < 2; ++h) {
+    const __m256 scaled = _mm256_mul_ps(acc[h], _mm256_set1_ps(scale));
+    const __m256 sh = _mm256_blendv_ps(minus_inf, scaled, valid8(n, h));
+    _mm256_storeu_ps(s + 8 * h, sh);
+    _mm256_storeu_ps(vmax + 8 * h, _mm256_max_ps(sh, _mm256_loadu_ps(vmax + 8 * h)));
+  }
+}
+
+// o += w . v over 64 dimensions at c0 (8 vectors), pair by pair, odd key first.
+template <typename T>
+void pv_avx2(const float* w, const T* v, int64_t n, int64_t dim, int64_t c0, int64_t width,
+             float* o) {
+  constexpr int64_t P = Traits<T>::pack;
+  __m256 acc[8];
+  const int chunks = static_cast<int>(width / 8);
+  for (int c = 0; c < chunks; ++c) acc[c] = _mm256_loadu_ps(o + c0 + 8 * c);
+  FlushDenormals daz(P == 2);
+  for (int64_t j = 0; j < (n + P - 1) / P; ++j) {
+    if constexpr (P == 2) {
+      const __m256 wo = _mm256_set1_ps(w[2 * j + 1]), we = _mm256_set1_ps(w[2 * j]);
+      for (int c = 0; c < chunks; ++c) {
+        const __m256i pairs = load8i(v + (j * dim + c0 + 8 * c) * 2);
+        acc[c] = _mm256_fmadd_ps(we, even8(pairs), _mm256_fmadd_ps(wo, odd8(pairs), acc[c]));
+      }
+    } else {
+      const __m256 wj = _mm256_set1_ps(w[j]);
+      for (int c = 0; c < chunks; ++c)
+        acc[c] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(v + j * dim + c0 + 8 * c), acc[c]);
+    }
+  }
+  for (int c = 0; c < chunks; ++c) _mm256_storeu_ps(o + c0 + 8 * c, acc[c]);
+}
+
+template <typename T>
+void values_avx2(const float* s, float m, const T* v, int64_t n, int64_t dim, float* vsum,
+                 float* o) {
+  alignas(32) float w[kLanes];
+  for (int h = 0; h < 2; ++h) {
+    const __m256 p = _mm256_and_ps(
+        valid8(n, h), exp8(_mm256_sub_ps(_mm256_loadu_ps(s + 8 * h), _mm256_set1_ps(m))));
+    _mm256_storeu_ps(vsum + 8 * h, _mm256_add_ps(_mm256_loadu_ps(vsum + 8 * h), p));
+    _mm256_store_ps(w + 8 * h, p);
+  }
+  for (int l = 0; l < kLanes; ++l) w[l] = to_weight(w[l], v);  // the dtype's rounding
+  for (int64_t c0 = 0; c0 < dim; c0 += 64)
+    pv_avx2<T>(w, v, n, dim, c0, std::min<int64_t>(64, dim - c0), o);
+}
+
+template <typename T>
+void unit_avx2(QueryState<T>* states, const int64_t* n, int count, const T* k, const T* v,
+               int64_t u, bool values, float scale, const Geometry& g) {
+  for (int i = 0; i < count; ++i) {
+    QueryState<T>& st = states[i];
+    for (int64_t h = 0; h < g.group; ++h) {
+      float* s = st.scores + (h * st.units + u) * kLanes;
+      if (!values) {
+        scores_avx2<T>(st.q + h * st.q_head, k, n[i], g, scale, s, st.vmax + h * kLanes);
+      } else {
+        values_avx2<T>(s, st.vmax[h * kLanes], v, n[i], g.head_dim, st.vsum + h * kLanes,
+                       st.o + h * g.head_dim);
+      }
+    }
+  }
+}
+#endif
+
 template <typename T> struct Kernel {
   using A = typename Traits<T>::Acc;
   bool vector = false;  // the AVX-512 path: 16-token blocks, head_dim a multiple of 32
@@ -348,6 +492,11 @@ template <typename T> struct Kernel {
                g.group <= kMaxHeads;
       if (vector) per_call = static_cast<int>(kMaxHeads / g.group);
     }
+#elif defined(PREFIX_SERVE_AVX2)
+    if constexpr (!std::is_same_v<T, double>) {
+      vector = allow_vector && g.block_size == kLanes && g.head_dim % 8 == 0;
+      if (vector) per_call = 16;  // queries reading one block, while it is in cache
+    }
 #endif
   }
 
@@ -356,6 +505,10 @@ template <typename T> struct Kernel {
 #if defined(__AVX512F__)
     if constexpr (Vec<T>::enabled) {
       if (vector) return unit_avx512_any<T>(states, n, count, k, v, u, values, scale, g);
+    }
+#elif defined(PREFIX_SERVE_AVX2)
+    if constexpr (!std::is_same_v<T, double>) {
+      if (vector) return unit_avx2<T>(states, n, count, k, v, u, values, scale, g);
     }
 #endif
     unit_portable<T>(states, n, count, k, v, u, values, scale, g);

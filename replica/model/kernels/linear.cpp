@@ -9,7 +9,8 @@
 //   float32:  acc = 0; for k = 0..K-1: acc = fma(x[k], w[k], acc); y = acc
 // The weights are packed once into panels of 64 outputs, [N/64][K/P][64][P] (P = 2 for
 // bfloat16 pairs), so a panel streams from memory in order; an AVX-512 micro-kernel holds up
-// to 6 rows x 64 outputs in registers, and a portable one follows the same arithmetic. A
+// to 6 rows x 64 outputs in registers, an AVX2 one (CPUs without AVX-512) 3 rows x 32, and
+// a portable one follows the same arithmetic. A
 // decode step's few rows stream each weight once, faster than oneDNN's small-M kernels here
 // (docs/decisions.md). Threads split the panels: an output is always one thread's.
 
@@ -138,12 +139,109 @@ void panel_avx512(const T* x, int64_t ldx, const T* w, int64_t K, T* y, int64_t 
 }
 #endif
 
+// ---- AVX2 + FMA micro-kernels (no AVX-512): MR rows x 32 outputs, half a panel a call ----
+// The same arithmetic output by output: float32 one FMA per k; bfloat16 the pair step, whose
+// flushes (subnormal inputs read as zero, subnormal results flushed) the CPU does for free
+// with MXCSR's DAZ and FTZ set, as VDPBF16PS does them (the portable code writes them out).
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define PREFIX_SERVE_AVX2 1
+
+template <typename T> struct Micro2 { static constexpr bool enabled = false; };
+
+template <typename T, int MR>
+void store_half(const __m256 (&acc)[MR][4], T* y, int64_t ldy, int64_t cols) {
+  for (int r = 0; r < MR; ++r) {
+    alignas(32) float out[32];
+    for (int j = 0; j < 4; ++j) _mm256_store_ps(out + 8 * j, acc[r][j]);
+    for (int64_t c = 0; c < cols; ++c) y[r * ldy + c] = static_cast<T>(out[c]);
+  }
+}
+
+template <> struct Micro2<float> {
+  static constexpr bool enabled = true;
+  template <int MR>
+  static void run(const float* x, int64_t ldx, const float* w, int64_t K, float* y,
+                  int64_t ldy, int64_t cols) {
+    __m256 acc[MR][4];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+      const float* wk = w + k * kPanel;
+      for (int j = 0; j < 4; ++j) {
+        const __m256 wv = _mm256_loadu_ps(wk + j * 8);
+        for (int r = 0; r < MR; ++r)
+          acc[r][j] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * ldx + k]), wv, acc[r][j]);
+      }
+    }
+    store_half<float, MR>(acc, y, ldy, cols);
+  }
+};
+
+template <> struct Micro2<c10::BFloat16> {
+  static constexpr bool enabled = true;
+  using T = c10::BFloat16;
+  template <int MR>
+  static void run(const T* x, int64_t ldx, const T* w, int64_t K, T* y, int64_t ldy,
+                  int64_t cols) {
+    __m256 acc[MR][4];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+    const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+    for (int64_t i = 0; i < K / 2; ++i) {
+      __m256 odd[MR], even[MR];
+      for (int r = 0; r < MR; ++r) {
+        odd[r] = _mm256_set1_ps(widen(x[r * ldx + 2 * i + 1]));
+        even[r] = _mm256_set1_ps(widen(x[r * ldx + 2 * i]));
+      }
+      const T* wi = w + i * kPanel * 2;
+      for (int j = 0; j < 4; ++j) {
+        const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wi + j * 16));
+        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
+        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+        for (int r = 0; r < MR; ++r) {
+          acc[r][j] = _mm256_fmadd_ps(odd[r], wo, acc[r][j]);
+          acc[r][j] = _mm256_fmadd_ps(even[r], we, acc[r][j]);
+        }
+      }
+    }
+    store_half<T, MR>(acc, y, ldy, cols);
+  }
+};
+
+constexpr int kMaxRows2 = 3;
+
+// A panel as two halves of 32 outputs (the registers hold 3 rows x 32, not x 64).
+template <typename T>
+void panel_avx2(const T* x, int64_t ldx, const T* w, int64_t K, T* y, int64_t ldy,
+                int64_t rows, int64_t cols) {
+  using U = Micro2<T>;
+  constexpr int64_t P = pack_of<T>();
+  const unsigned csr = _mm_getcsr();  // this thread's; bfloat16: DAZ and FTZ while it runs
+  if constexpr (P == 2) _mm_setcsr(csr | 0x8040u);
+  for (int64_t half = 0; half * 32 < cols; ++half) {
+    const T* wh = w + half * 32 * P;
+    T* yh = y + half * 32;
+    const int64_t n = std::min<int64_t>(32, cols - half * 32);
+    int64_t r = 0;
+    for (; r + kMaxRows2 <= rows; r += kMaxRows2)
+      U::template run<kMaxRows2>(x + r * ldx, ldx, wh, K, yh + r * ldy, ldy, n);
+    if (rows - r == 2) U::template run<2>(x + r * ldx, ldx, wh, K, yh + r * ldy, ldy, n);
+    if (rows - r == 1) U::template run<1>(x + r * ldx, ldx, wh, K, yh + r * ldy, ldy, n);
+  }
+  _mm_setcsr(csr);
+}
+#endif
+
 template <typename T>
 void panel(const T* x, int64_t ldx, const T* w, int64_t K, T* y, int64_t ldy, int64_t rows,
            int64_t cols, bool vector) {
 #if defined(__AVX512F__)
   if constexpr (Micro<T>::enabled) {
     if (vector) return panel_avx512<T>(x, ldx, w, K, y, ldy, rows, cols);
+  }
+#elif defined(PREFIX_SERVE_AVX2)
+  if constexpr (Micro2<T>::enabled) {
+    if (vector) return panel_avx2<T>(x, ldx, w, K, y, ldy, rows, cols);
   }
 #endif
   panel_portable<T>(x, ldx, w, K, y, ldy, rows, cols);
@@ -157,6 +255,13 @@ void dispatch_linear(at::ScalarType type, const char* name, const Fn& fn) {
     case at::kBFloat16: fn(c10::BFloat16{}); break;
     default: TORCH_CHECK(false, name, ": bfloat16 or float32 only, not ", type);
   }
+}
+
+// A bfloat16 weight's subnormal as zero of its sign, as every path's pair step reads it
+// (float32 weights are kept: their FMA flushes nothing).
+inline float flushed(float w) { return w; }
+inline c10::BFloat16 flushed(c10::BFloat16 w) {
+  return std::fabs(widen(w)) < FLT_MIN ? c10::BFloat16(flush(widen(w))) : w;
 }
 
 // [N, K] -> [ceil(N/64), K/P, 64, P], zero-padded to whole panels
@@ -174,7 +279,7 @@ at::Tensor pack_linear(const at::Tensor& weight) {
     for (int64_t n = 0; n < N; ++n)
       for (int64_t k = 0; k < K; ++k)
         dst[(((n / kPanel) * (K / P) + k / P) * kPanel + n % kPanel) * P + k % P] =
-            src[n * K + k];
+            flushed(src[n * K + k]);
   });
   return out;
 }

@@ -7,7 +7,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 

@@ -1,0 +1,195 @@
+"""``pull``: what a prefix of N tokens costs a request's first token three ways: computed
+(nothing cached), a local hit, and pulled from another replica that holds it.
+
+``--where engine``: two engines in one process (``replica.engine.transfer``: exported,
+carried as Ray's object store carries it between processes of a node, pickled with its
+array out of band and the array copied once as a put into shared memory does, verified and
+imported, then admitted as a local hit), the three alternated (A B C C B A ...).
+
+``--where cluster``: the real thing: 2 replicas behind round robin with pulls on, the
+``openai`` SDK streaming. Each repeat a new system prompt of N tokens goes to replica X
+(computed), then to Y (Y pulls it from X: the index says X holds it), then to X again (a
+local hit); X alternates between the replicas. TTFT is the first streamed token; the pulled
+request's ``cached_tokens`` and the replicas' pull counters are reported. A short pause
+after each request lets the holder publish its blocks, as between two users' requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import random
+import time
+from typing import Any
+
+import openai
+
+from bench.harness.launcher import ServeCluster
+from bench.harness.redis_server import LocalRedis
+from bench.report import spread
+from cluster.config import ClusterArgs
+from kvindex.config import IndexConfig
+from kvindex.pulls import PullConfig
+from replica.checkpoints import TINY_MODEL, checkpoint_for
+from replica.engine import Engine, EngineConfig, SamplingParams
+from replica.engine.transfer import PrefixExport, export_prefix, import_prefix
+from router.config import routing_config
+
+MODES = ("computed", "local_hit", "pulled")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--where", choices=["engine", "cluster"], default="engine")
+    parser.add_argument("--model", default=TINY_MODEL, help="EngineConfig.model")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per engine")
+    parser.add_argument("--prefix-tokens", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--num-blocks", type=int, default=1024)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--pause-s", type=float, default=0.5, help="cluster: between requests")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        num_blocks=args.num_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max(2048, args.prefix_tokens + 256),
+    )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    result = engine_pulls(args) if args.where == "engine" else cluster_pulls(args)
+    seconds = result.pop("seconds")
+    for mode in MODES:
+        result[f"ttft_{mode}_s"] = spread(seconds[mode])
+    for base in ("local_hit", "computed"):
+        ratios = [a / b for a, b in zip(seconds["pulled"], seconds[base], strict=True)]
+        result[f"pulled_over_{base}"] = spread(ratios)
+    return {"where": args.where, "model": args.model, "prefix_tokens": args.prefix_tokens} | result
+
+
+def engine_pulls(args: argparse.Namespace) -> dict[str, Any]:
+    config = engine_config(args)
+    holder, puller = Engine(config), Engine(config)
+    vocab = config.shape.vocab_size
+    prefix = [(13 * i + 7) % (vocab - 20) + 10 for i in range(args.prefix_tokens)]
+    for engine in (holder, puller):  # torch's first calls are slow
+        engine.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=4))
+        engine.reset_prefix_cache()
+    holder.generate([prefix + [5]], SamplingParams(max_tokens=1))  # the holder caches it
+    seconds: dict[str, list[float]] = {m: [] for m in MODES}
+    pull_s: list[float] = []
+    pulled_bytes = 0
+    for rep in range(args.repeats):
+        for mode in MODES if rep % 2 == 0 else MODES[::-1]:
+            prompt = prefix + [6 + rep, 9]  # a new suffix every time
+            puller.reset_prefix_cache()
+            start = time.perf_counter()
+            if mode == "pulled":
+                carried = _carried(export_prefix(holder, prompt, None))
+                imported = import_prefix(puller, prompt, None, carried)
+                assert not imported.rejected, imported.rejected
+                pull_s.append(time.perf_counter() - start)
+                pulled_bytes = carried.num_bytes
+            engine = holder if mode == "local_hit" else puller
+            (out,) = engine.generate([prompt], SamplingParams(max_tokens=1))
+            seconds[mode].append(time.perf_counter() - start)
+            assert (out.num_cached_tokens > 0) == (mode != "computed")
+    return {"seconds": seconds, "pull_only_s": spread(pull_s), "pulled_bytes": pulled_bytes}
+
+
+def _carried(export: PrefixExport) -> PrefixExport:
+    """``export`` as another process on the node reads it from Ray's object store."""
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(export, protocol=5, buffer_callback=buffers.append)
+    stored = [bytes(b.raw()) for b in buffers]  # the put: one copy into shared memory
+    return pickle.loads(data, buffers=stored)
+
+
+def cluster_pulls(args: argparse.Namespace) -> dict[str, Any]:
+    config = engine_config(args)
+    with LocalRedis() as redis_server:
+        cluster_args = ClusterArgs(
+            num_replicas=2,
+            replica_num_cpus=0.5,
+            engine=config,
+            routing=routing_config(policy="round_robin", stats_period_s=0.5),
+            pull=PullConfig(enabled=True),
+            index=IndexConfig(url=redis_server.url, cluster="pull-bench"),
+        )
+        with ServeCluster(cluster_args, log_path=None) as cluster:
+            client = openai.OpenAI(
+                base_url=f"{cluster.base_url}/v1", api_key="x", max_retries=0, timeout=120
+            )
+            _first_token(client, config.model_id, "warm up", "hi")  # and a second: both warm
+            _first_token(client, config.model_id, "warm up", "hi")
+            seconds, cached, replicas = _pull_rounds(client, config.model_id, args)
+            time.sleep(2 * 0.5 + 0.5)  # the replicas' counters, a stats period later
+            stats = cluster.stats()["replicas"]
+    keys = ("pulls", "pulled_blocks", "pulled_bytes", "pull_seconds", "pulls_failed")
+    counters = {
+        rid: {k: s.get(k) for k in (*keys, "pull_blocks_refused")} for rid, s in stats.items()
+    }
+    pulls = sum(c["pulls"] or 0 for c in counters.values())
+    pull_seconds = sum(c["pull_seconds"] or 0 for c in counters.values())
+    return {
+        "seconds": seconds,
+        "pulled_cached_tokens_min": min(cached),
+        "replicas_per_mode": replicas,
+        "replica_counters": counters,
+        "pull_s_mean": pull_seconds / pulls if pulls else None,
+    }
+
+
+def _pull_rounds(
+    client: openai.OpenAI, model: str, args: argparse.Namespace
+) -> tuple[dict[str, list[float]], list[int], dict[str, list[str]]]:
+    """Per repeat: a new prefix computed on one replica, pulled by the other, hit locally."""
+    seconds: dict[str, list[float]] = {m: [] for m in MODES}
+    replicas: dict[str, list[str]] = {m: [] for m in MODES}
+    cached: list[int] = []
+    tokenizer = checkpoint_for(args.model).tokenizer()
+    for rep in range(args.repeats):
+        system = _system_prompt(rep, args.prefix_tokens, tokenizer)
+        for mode in ("computed", "pulled", "local_hit"):  # round robin: X, Y, X
+            ttft, usage, replica = _first_token(client, model, system, f"Question {rep}{mode}?")
+            seconds[mode].append(ttft)
+            replicas[mode].append(replica)
+            if mode == "pulled":
+                cached.append(usage.prompt_tokens_details.cached_tokens)
+            time.sleep(args.pause_s)
+    return seconds, cached, replicas
+
+
+def _system_prompt(seed: int, tokens: int, tokenizer: Any) -> str:
+    """At most ``tokens`` tokens (and nearly that many) of text no other repeat shares."""
+    words_in = ("alpha", "river", "stone", "policy", "garden", "signal", "copper", "window")
+    rng = random.Random(seed)
+    words = [rng.choice(words_in) for _ in range(tokens)]
+    text = f"Prompt {seed}. " + " ".join(words)
+    while len(tokenizer.encode(text)) > tokens:  # a byte tokenizer takes ~1/6 of the words
+        words = words[: max(1, int(len(words) * tokens / len(tokenizer.encode(text)) - 1))]
+        text = f"Prompt {seed}. " + " ".join(words)
+    return text
+
+
+def _first_token(client: openai.OpenAI, model: str, system: str, question: str) -> tuple:
+    start = time.perf_counter()
+    raw = client.chat.completions.with_raw_response.create(
+        model=model,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        max_tokens=2,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    ttft, usage = None, None
+    for chunk in raw.parse():
+        if ttft is None and chunk.choices and chunk.choices[0].delta.content is not None:
+            ttft = time.perf_counter() - start
+        usage = chunk.usage or usage
+    return ttft, usage, raw.headers.get("x-replica-id", "")
