@@ -17,16 +17,21 @@ after each request lets the holder publish its blocks, as between two users' req
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pickle
 import random
+import statistics
 import time
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import openai
 
 from bench.harness.launcher import ServeCluster
 from bench.harness.redis_server import LocalRedis
 from bench.report import spread
+from bench.sim.cost_model import CostModel
 from cluster.config import ClusterArgs
 from kvindex.config import IndexConfig
 from kvindex.pulls import PullConfig
@@ -43,11 +48,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=TINY_MODEL, help="EngineConfig.model")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2, help="torch threads per engine")
-    parser.add_argument("--prefix-tokens", type=int, default=1024)
+    parser.add_argument(
+        "--prefix-tokens", default="1024", help="prefix sizes, comma-separated (two or more: a fit)"
+    )
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--num-blocks", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--pause-s", type=float, default=0.5, help="cluster: between requests")
+    parser.add_argument(
+        "--calibrate", type=Path, help="write the fitted pull cost into this simulator cost model"
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -57,26 +67,71 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.threads,
         num_blocks=args.num_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=max(2048, args.prefix_tokens + 256),
+        max_model_len=max(2048, max(sizes(args)) + 256),
     )
 
 
+def sizes(args: argparse.Namespace) -> list[int]:
+    return [int(n) for n in str(args.prefix_tokens).split(",")]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    result = engine_pulls(args) if args.where == "engine" else cluster_pulls(args)
-    seconds = result.pop("seconds")
-    for mode in MODES:
-        result[f"ttft_{mode}_s"] = spread(seconds[mode])
-    for base in ("local_hit", "computed"):
-        ratios = [a / b for a, b in zip(seconds["pulled"], seconds[base], strict=True)]
-        result[f"pulled_over_{base}"] = spread(ratios)
-    return {"where": args.where, "model": args.model, "prefix_tokens": args.prefix_tokens} | result
+    if args.where == "engine":
+        measured = {n: engine_pulls(args, n) for n in sizes(args)}
+    else:
+        measured = cluster_pulls(args)
+    result: dict[str, Any] = {"where": args.where, "model": args.model, "sizes": {}}
+    for n, found in measured.items():
+        seconds = found.pop("seconds")
+        for mode in MODES:
+            found[f"ttft_{mode}_s"] = spread(seconds[mode])
+        for base in ("local_hit", "computed"):
+            ratios = [a / b for a, b in zip(seconds["pulled"], seconds[base], strict=True)]
+            found[f"pulled_over_{base}"] = spread(ratios)
+        found["pull_extra_s"] = spread(
+            [a - b for a, b in zip(seconds["pulled"], seconds["local_hit"], strict=True)]
+        )
+        found["prefill_s_per_token"] = statistics.median(
+            (a - b) / n for a, b in zip(seconds["computed"], seconds["local_hit"], strict=True)
+        )
+        result["sizes"][str(n)] = found
+    if len(measured) >= 2:
+        result["fit"] = _fit(result["sizes"], engine_config(args).block_size)
+        if args.calibrate is not None:
+            _calibrate(args.calibrate, result["fit"], args)
+    return result
 
 
-def engine_pulls(args: argparse.Namespace) -> dict[str, Any]:
+def _fit(by_size: dict[str, dict[str, Any]], block_size: int) -> dict[str, Any]:
+    """A pull's extra TTFT over a local hit as call + per block x blocks (least squares),
+    and what that is in prefill tokens: the router's price of a pull."""
+    blocks = [int(n) // block_size for n in by_size]
+    extra = [found["pull_extra_s"]["median"] for found in by_size.values()]
+    slope, intercept = np.polyfit(blocks, extra, 1)
+    per_token = statistics.median(found["prefill_s_per_token"] for found in by_size.values())
+    return {
+        "pull_call_s": max(0.0, float(intercept)),
+        "pull_block_s": max(0.0, float(slope)),
+        "token_cost": max(0.0, float(slope)) / block_size / per_token,
+        "call_cost_tokens": max(0.0, float(intercept)) / per_token,
+    }
+
+
+def _calibrate(path: Path, fit: dict[str, Any], args: argparse.Namespace) -> None:
+    model = CostModel.load(path)
+    stamp = f"bench pull --where {args.where} --model {args.model} --prefix-tokens "
+    stamp += f"{args.prefix_tokens}, {time.strftime('%F')}"
+    model = dataclasses.replace(
+        model, pull_call_s=fit["pull_call_s"], pull_block_s=fit["pull_block_s"], pull_measured=stamp
+    )
+    model.save(path)
+
+
+def engine_pulls(args: argparse.Namespace, tokens: int) -> dict[str, Any]:
     config = engine_config(args)
     holder, puller = Engine(config), Engine(config)
     vocab = config.shape.vocab_size
-    prefix = [(13 * i + 7) % (vocab - 20) + 10 for i in range(args.prefix_tokens)]
+    prefix = [(13 * i + 7) % (vocab - 20) + 10 for i in range(tokens)]
     for engine in (holder, puller):  # torch's first calls are slow
         engine.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=4))
         engine.reset_prefix_cache()
@@ -127,7 +182,7 @@ def cluster_pulls(args: argparse.Namespace) -> dict[str, Any]:
             )
             _first_token(client, config.model_id, "warm up", "hi")  # and a second: both warm
             _first_token(client, config.model_id, "warm up", "hi")
-            seconds, cached, replicas = _pull_rounds(client, config.model_id, args)
+            measured = {n: _pull_rounds(client, config.model_id, args, n) for n in sizes(args)}
             time.sleep(2 * 0.5 + 0.5)  # the replicas' counters, a stats period later
             stats = cluster.stats()["replicas"]
     keys = ("pulls", "pulled_blocks", "pulled_bytes", "pull_seconds", "pulls_failed")
@@ -136,25 +191,21 @@ def cluster_pulls(args: argparse.Namespace) -> dict[str, Any]:
     }
     pulls = sum(c["pulls"] or 0 for c in counters.values())
     pull_seconds = sum(c["pull_seconds"] or 0 for c in counters.values())
-    return {
-        "seconds": seconds,
-        "pulled_cached_tokens_min": min(cached),
-        "replicas_per_mode": replicas,
-        "replica_counters": counters,
-        "pull_s_mean": pull_seconds / pulls if pulls else None,
-    }
+    for found in measured.values():  # the counters are the whole run's
+        found |= {"replica_counters": counters, "pull_s_mean": pull_seconds / max(1, pulls)}
+    return measured
 
 
 def _pull_rounds(
-    client: openai.OpenAI, model: str, args: argparse.Namespace
-) -> tuple[dict[str, list[float]], list[int], dict[str, list[str]]]:
+    client: openai.OpenAI, model: str, args: argparse.Namespace, tokens: int
+) -> dict[str, Any]:
     """Per repeat: a new prefix computed on one replica, pulled by the other, hit locally."""
     seconds: dict[str, list[float]] = {m: [] for m in MODES}
     replicas: dict[str, list[str]] = {m: [] for m in MODES}
     cached: list[int] = []
     tokenizer = checkpoint_for(args.model).tokenizer()
     for rep in range(args.repeats):
-        system = _system_prompt(rep, args.prefix_tokens, tokenizer)
+        system = _system_prompt(tokens * 1000 + rep, tokens, tokenizer)
         for mode in ("computed", "pulled", "local_hit"):  # round robin: X, Y, X
             ttft, usage, replica = _first_token(client, model, system, f"Question {rep}{mode}?")
             seconds[mode].append(ttft)
@@ -162,7 +213,8 @@ def _pull_rounds(
             if mode == "pulled":
                 cached.append(usage.prompt_tokens_details.cached_tokens)
             time.sleep(args.pause_s)
-    return seconds, cached, replicas
+    assert all(a != b for a, b in zip(replicas["computed"], replicas["pulled"], strict=True))
+    return {"seconds": seconds, "pulled_cached_tokens_min": min(cached), "replicas": replicas}
 
 
 def _system_prompt(seed: int, tokens: int, tokenizer: Any) -> str:

@@ -353,26 +353,6 @@ struct FlushDenormals {  // DAZ and FTZ for this thread while in scope (bfloat16
   ~FlushDenormals() { _mm_setcsr(saved); }
 };
 
-// exp_spec, lane by lane, with the same operations in the same order.
-inline __m256 exp8(__m256 x) {
-  const __m256 low = _mm256_set1_ps(kExpLow);
-  const __m256 under = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
-  const __m256 xc = _mm256_blendv_ps(x, low, under);
-  const __m256 n = _mm256_floor_ps(
-      _mm256_fmadd_ps(xc, _mm256_set1_ps(kLog2e), _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(kLn2Hi), xc);
-  r = _mm256_fmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
-  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(kP0), r, _mm256_set1_ps(kP1));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP2));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP3));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP4));
-  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  const __m256 out = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-  return _mm256_andnot_ps(under, out);
-}
-
 // Lanes [8 * half, 8 * half + 8) valid below n: all ones, else zero.
 inline __m256 valid8(int64_t n, int half) {
   const __m256i lane = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
