@@ -46,8 +46,14 @@ bench: install
 	$(PY) -m bench stack --stacks ours,ray-llm,rev:811f5fb --repeats 2 --prompts 120 \
 	    --prefixes 6 --prefix-len 512 --suffix-len 64 --output-len 64 --rate 4 \
 	    --concurrency 8 --seed 0 --out results/stack.json
-	$(PY) -m bench engine --model smollm2-135m-instruct --dtype bfloat16 --threads 2 \
-	    --pull 1024 --repeats 6 --max-num-batched-tokens 512 --out results/pull.json
+	$(PY) -m bench pull --where engine --model smollm2-135m-instruct --dtype bfloat16 \
+	    --threads 2 --prefix-tokens 1024 --repeats 6 --max-num-batched-tokens 512 \
+	    --out results/pull.json
+	$(PY) -m bench pull --where cluster --model tiny-llama-6m --threads 1 \
+	    --prefix-tokens 256,1024 --repeats 10 --calibrate bench/sim/calibration.json \
+	    --out results/pull-cluster-tiny.json
+	$(PY) -m bench pull --where cluster --model smollm2-135m-instruct --dtype float32 \
+	    --threads 1 --prefix-tokens 1024 --repeats 4 --out results/pull-cluster-smollm2.json
 	$(PY) -m bench structured --model smollm2-135m-instruct --dtype bfloat16 --threads 2 \
 	    --batch 16 --tokens 64 --repeats 4 --auto-prompts 20 --out results/structured.json
 	$(PY) -m bench speed --model smollm2-135m-instruct --dtype bfloat16 \

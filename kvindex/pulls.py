@@ -10,8 +10,8 @@ simulator (``bench.sim``) all call these functions, so they agree on when a pull
 Prices are in prefill tokens, the routing policy's unit: a pulled token costs
 ``token_cost`` of a computed one (bytes per token over the copy's bandwidth, in units of a
 prefill token's compute time) and each pull ``call_cost_tokens`` more (the index query and
-the call to the holder). Both defaults are measured: ``python -m bench engine --pull``
-and the cluster's own pulls, docs/results.md.
+the call to the holder). Both defaults are fitted to pulls on a real 2-replica cluster
+(``python -m bench pull --where cluster --prefix-tokens 256,1024``, docs/results.md).
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ class PullConfig(BaseModel):
     min_blocks: int = Field(4, ge=1, description="pull only when this many blocks are missing")
     timeout_s: float = Field(2.0, gt=0, description="a pull not back by then is given up")
     token_cost: float = Field(
-        0.05, ge=0, le=1, description="the router's price of a pulled token, in prefill tokens"
+        0.046, ge=0, le=1, description="the router's price of a pulled token, in prefill tokens"
     )
     call_cost_tokens: int = Field(
-        24, ge=0, description="the router's price of one pull's calls, in prefill tokens"
+        31, ge=0, description="the router's price of one pull's calls, in prefill tokens"
     )
 
 
