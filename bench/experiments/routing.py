@@ -35,6 +35,7 @@ from bench.workloads import (
 )
 from cluster.config import ClusterArgs
 from kvindex.config import IndexConfig
+from kvindex.pulls import PullConfig
 from kvindex.reader import IndexReader
 from replica.checkpoints import TINY_MODEL, checkpoint_for
 from replica.config import EngineConfig
@@ -54,8 +55,20 @@ def our_routing(policy: str, epsilon: float, knobs: dict[str, Any]) -> ServedPol
     return routing_config(**fields, **knobs)
 
 
+def split_pull(name: str, pull_json: str | None = None) -> tuple[str, PullConfig | None]:
+    """``prefill_cost+pull`` -> (``prefill_cost``, the pull section); else (name, None)."""
+    base, plus, suffix = name.partition("+")
+    if not plus:
+        return name, None
+    if suffix != "pull":
+        raise ValueError(f"{name}: the only suffix is +pull")
+    fields = json.loads(pull_json) if pull_json else {}
+    return base, PullConfig.model_validate({**fields, "enabled": True})
+
+
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """Trace options shared with the simulator."""
+    parser.add_argument("--pull", help='the +pull policies\' pull section, e.g. {"min_blocks": 2}')
     parser.add_argument("--workload", choices=WORKLOADS, default="multi_tenant")
     parser.add_argument(
         "--model", default=TINY_MODEL, help="EngineConfig.model (the tiny model is fastest)"
@@ -158,13 +171,15 @@ def run_policy(
 ) -> dict[str, Any]:
     namespace = f"exp-{os.getpid()}-{time.monotonic_ns()}"
     knobs = json.loads(args.knobs) if args.knobs else {}
+    name, pull = split_pull(policy, args.pull)
     cluster_args = ClusterArgs(
         num_replicas=int(args.replicas),
         ingress_replicas=args.ingress_replicas,
         engine=engine,
         max_queued_requests=-1,  # an experiment measures queueing; it does not shed
-        routing=our_routing(policy, args.epsilon, knobs),
+        routing=our_routing(name, args.epsilon, knobs),
         index=IndexConfig(url=redis_url, cluster=namespace),
+        pull=pull or PullConfig(),
     )
     cluster = ServeCluster(cluster_args)
     try:
@@ -188,7 +203,10 @@ def run_policy(
 
         prompt, cached = delta("prompt_tokens"), delta("cached_prompt_tokens")
         metrics["hit_rate_engine"] = cached / prompt if prompt else 0.0
-        if policy != "ray_prefix":  # Ray's prefix router is not timed
+        if pull is not None:  # the replicas' pull counters (a pulled block is a hit there)
+            for key in ("pulls", "pulled_blocks", "pulls_failed", "pull_blocks_refused"):
+                metrics[key] = delta(key)
+        if name != "ray_prefix":  # Ray's prefix router is not timed
             stats = cluster.stats()
             metrics["decision_p50_ms"] = (stats["decision_p50_s"] or 0) * 1e3
             metrics["decision_p99_ms"] = (stats["decision_p99_s"] or 0) * 1e3

@@ -18,7 +18,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.experiments.routing import add_workload_arguments, our_routing, section_name, traces
+from bench.experiments.routing import (
+    add_workload_arguments,
+    our_routing,
+    section_name,
+    split_pull,
+    traces,
+)
 from bench.report import summarize, write_report
 from bench.sim.cost_model import DEFAULT_CALIBRATION, CostModel, calibrate
 from bench.sim.peer_policies import DynamoKV, RayPrefixSim, SGLangCacheAware
@@ -55,17 +61,6 @@ def sim_policy(
     return make_policy(our_routing(name, epsilon, json.loads(knobs) if knobs else {}), pull)
 
 
-def split_pull(name: str, pull_json: str | None = None) -> tuple[str, PullConfig | None]:
-    """``prefill_cost+pull`` -> (``prefill_cost``, the pull section); else (name, None)."""
-    base, plus, suffix = name.partition("+")
-    if not plus:
-        return name, None
-    if suffix != "pull":
-        raise ValueError(f"{name}: the only suffix is +pull")
-    fields = json.loads(pull_json) if pull_json else {}
-    return base, PullConfig.model_validate({**fields, "enabled": True})
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     parser.set_defaults(policies=",".join(SIMULATED))
@@ -76,7 +71,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--knobs", help='RoutingConfig overrides as JSON, e.g. {"decode_cost_tokens": 8}'
     )
-    parser.add_argument("--pull", help='the +pull policies\' pull section, e.g. {"min_blocks": 2}')
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
