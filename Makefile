@@ -36,6 +36,7 @@ lint: install
 # nothing else should run meanwhile). Each line is also in the README next to its table.
 BENCH_ROUTING := $(PY) -m bench routing --num-blocks 640
 SIM_POLICIES := round_robin,prefill_cost,ray_prefix_sim,sglang_cache_aware,dynamo_kv
+SIM_PULL := round_robin,round_robin+pull,prefill_cost,prefill_cost+pull,ray_prefix_sim,sglang_cache_aware,dynamo_kv
 bench: install
 	$(PY) -m bench engine --trace chat --out results/engine-chat.json
 	$(PY) -m bench engine --model smollm2-135m-instruct --dtype bfloat16 \
@@ -71,6 +72,13 @@ bench: install
 	$(PY) -m bench simulate --workload multi_turn --per-replica \
 	    --replicas 2,8,32,128 --rates 0.75 --conversations 6 --policies $(SIM_POLICIES) \
 	    --out results/simulate-multi_turn
+	$(PY) -m bench simulate --workload multi_tenant --per-replica --replicas 2,8,32 --rates 2 \
+	    --tenants 10000 --zipf 0.8 --policies $(SIM_PULL) --out results/simulate-pull-multi_tenant
+	$(PY) -m bench simulate --workload multi_turn --per-replica --replicas 2,8,32 --rates 0.75 \
+	    --conversations 6 --policies $(SIM_PULL) --out results/simulate-pull-multi_turn
+	$(BENCH_ROUTING) --workload multi_tenant --tenants 8 --zipf 2.0 --requests 160 --rates 5 \
+	    --policies round_robin,prefill_cost,prefill_cost+pull,ray_prefix \
+	    --out results/routing-hot_tenant-pull
 	$(BENCH_ROUTING) --workload multi_tenant --tenants 24 --zipf 0.6 --requests 160 --rates 4 \
 	    --repeats 2 --policies round_robin,prefill_cost,ray_default,ray_prefix \
 	    --out results/routing-multi_tenant
