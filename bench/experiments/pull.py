@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import openai
 
+from bench.experiments import engine as engine_experiment
 from bench.harness.launcher import ServeCluster
 from bench.harness.redis_server import LocalRedis
 from bench.report import spread
@@ -53,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--num-blocks", type=int, default=1024)
+    parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--pause-s", type=float, default=0.5, help="cluster: between requests")
     parser.add_argument(
@@ -61,14 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        num_threads=args.threads,
-        num_blocks=args.num_blocks,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=max(2048, max(sizes(args)) + 256),
-    )
+    """The ``engine`` experiment's engine, long enough for the largest prefix."""
+    longest = max(2048, max(sizes(args)) + 256)
+    return engine_experiment.engine_config(args).model_copy(update={"max_model_len": longest})
 
 
 def sizes(args: argparse.Namespace) -> list[int]:
