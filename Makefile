@@ -76,6 +76,9 @@ bench: install
 	    --tenants 10000 --zipf 0.8 --policies $(SIM_PULL) --out results/simulate-pull-multi_tenant
 	$(PY) -m bench simulate --workload multi_turn --per-replica --replicas 2,8,32 --rates 0.75 \
 	    --conversations 6 --policies $(SIM_PULL) --out results/simulate-pull-multi_turn
+	$(PY) -m bench simulate --workload multi_turn --per-replica --replicas 128 --rates 0.75 \
+	    --conversations 6 --policies round_robin,round_robin+pull,prefill_cost,prefill_cost+pull \
+	    --out results/simulate-pull-multi_turn-128
 	$(BENCH_ROUTING) --workload multi_tenant --tenants 8 --zipf 2.0 --requests 160 --rates 5 \
 	    --policies round_robin,prefill_cost,prefill_cost+pull,ray_prefix \
 	    --out results/routing-hot_tenant-pull
