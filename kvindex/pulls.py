@@ -40,6 +40,11 @@ class PullConfig(BaseModel):
     call_cost_tokens: int = Field(
         31, ge=0, description="the router's price of one pull's calls, in prefill tokens"
     )
+    shared_memory: bool = Field(
+        True,
+        description="same node: copy blocks straight from the holder's pool (shared memory); "
+        "off: as bytes through Ray's object store, as between nodes",
+    )
 
 
 def pull_source(states: Iterable[ReplicaState], replica_id: str, min_blocks: int) -> str | None:

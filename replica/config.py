@@ -66,6 +66,11 @@ class EngineConfig(BaseModel):
         description="torch threads; None: a replica's CPUs (rounded up), else torch's default",
     )
     hash_secret: str | None = Field(None, description="Cluster secret that keys block hashes.")
+    shared_kv_pool: bool = Field(
+        False,
+        description="keep the KV pool in shared memory that same-node replicas read when "
+        "they pull (a memfd, Linux); the replica sets it when pulls are on",
+    )
 
     @model_validator(mode="after")
     def _resolve_model(self) -> EngineConfig:

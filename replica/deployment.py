@@ -64,7 +64,7 @@ class EngineFailedError(RuntimeError):
 class EngineReplica:
     def __init__(self, args: dict[str, Any] | ReplicaArgs) -> None:
         self.args = ReplicaArgs.model_validate(args)
-        self.engine = Engine(_with_threads(self.args.engine))
+        self.engine = Engine(_engine_config(self.args))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()  # where it runs (stats)
         self.publisher = IndexPublisher(
@@ -82,7 +82,12 @@ class EngineReplica:
         self._audit_error: str | None = None
         self._left = False
         self.puller = Puller(
-            self.engine, self._on_engine, self.replica_id, self.args.index, self.args.pull
+            self.engine,
+            self._on_engine,
+            self.replica_id,
+            self.args.index,
+            self.args.pull,
+            self.node_id,
         )
         atexit.register(self._leave_index)
         self.publisher.start()
@@ -130,8 +135,13 @@ class EngineReplica:
     async def export_prefix(self, request: PullRequest) -> PrefixExport:
         """This replica's verified cached prefix of another replica's prompt (between steps,
         on the engine's thread)."""
+        by_reference = request.node_id == self.node_id and self.args.pull.shared_memory
         return await self._on_engine(
-            export_prefix, self.engine, request.prompt_token_ids, request.cache_salt
+            export_prefix,
+            self.engine,
+            request.prompt_token_ids,
+            request.cache_salt,
+            by_reference,
         )
 
     async def _on_engine(self, fn: Any, *args: Any) -> Any:
@@ -221,10 +231,14 @@ class EngineReplica:
         self._audits += 1
 
 
-def _with_threads(config: EngineConfig) -> EngineConfig:
+def _engine_config(args: ReplicaArgs) -> EngineConfig:
     """``num_threads`` unset: as many torch threads as CPUs Ray gave this replica (rounded
-    up), so replicas sharing a machine do not oversubscribe it."""
-    if config.num_threads is not None:
-        return config
-    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
-    return config.model_copy(update={"num_threads": max(1, math.ceil(cpus))})
+    up), so replicas sharing a machine do not oversubscribe it. The pool is shared memory
+    when same-node pulls read it."""
+    update: dict[str, Any] = {}
+    if args.engine.num_threads is None:
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
+        update["num_threads"] = max(1, math.ceil(cpus))
+    if args.pull.enabled and args.pull.shared_memory:
+        update["shared_kv_pool"] = True
+    return args.engine.model_copy(update=update)

@@ -84,3 +84,4 @@ class PullRequest:
     target_replica_id: str
     prompt_token_ids: list[int]
     cache_salt: str | None
+    node_id: str | None = None  # the requester's Ray node: same node, read the pool itself

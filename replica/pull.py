@@ -1,9 +1,11 @@
 """Pull, don't recompute: before a replica admits a request, it asks the index who holds the
 longest run of the request's prompt blocks; when another live replica holds at least
 ``min_blocks`` more of them than this one, it pulls the missing blocks from that replica
-(``EngineReplica.export_prefix``, through a Serve handle routed to exactly that replica;
-the KV travels through Ray's object store) and imports them, verified, before admission
-(``replica.engine.transfer``). The request then hits them like any local prefix, and
+(``EngineReplica.export_prefix``, through a Serve handle routed to exactly that replica)
+and imports them, verified, before admission (``replica.engine.transfer``). On the same
+node the holder answers with where the blocks are in its shared pool and the puller copies
+them from there itself (``pull.shared_memory``); otherwise the KV travels through Ray's
+object store. The request then hits them like any local prefix, and
 ``cached_tokens`` counts them.
 
 Nothing waits on a pull for long: the index answers within its own timeout, the pull has
@@ -42,6 +44,7 @@ class PullCounters:
     pulled_bytes: int = 0
     pull_seconds: float = 0.0
     pulls_failed: int = 0
+    pulls_shared_memory: int = 0  # of ``pulls``: read from a same-node holder's pool
     pull_blocks_refused: int = 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -56,11 +59,13 @@ class Puller:
         replica_id: str,
         index: IndexConfig,
         config: PullConfig,
+        node_id: str | None = None,
     ) -> None:
         self.engine = engine
         self.run_on_engine = run_on_engine  # async (fn, *args): run on the engine's thread
         self.replica_id = replica_id
         self.config = config
+        self.node_id = node_id  # a holder on the same node lends its pool by reference
         self.reader = IndexReader(index, engine.config.model_id)
         self.counters = PullCounters()
         self._handle: Any = None
@@ -77,7 +82,7 @@ class Puller:
             return
         ids = [*request.prompt_token_ids, *request.output_token_ids]
         start = time.monotonic()
-        pull = PullRequest(holder, ids, request.cache_salt)
+        pull = PullRequest(holder, ids, request.cache_salt, self.node_id)
         try:
             export = await asyncio.wait_for(
                 self._export_handle().export_prefix.remote(pull), self.config.timeout_s
@@ -91,6 +96,7 @@ class Puller:
         )
         c = self.counters
         c.pulls += 1
+        c.pulls_shared_memory += export.pool is not None
         c.pulled_blocks += result.imported
         c.pulled_bytes += result.imported * (export.num_bytes // max(1, len(export.blocks)))
         c.pull_seconds += time.monotonic() - start

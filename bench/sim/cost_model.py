@@ -107,6 +107,8 @@ class BlockTags:
 
     def __init__(self, num_blocks: int) -> None:
         self.data = torch.zeros(num_blocks, 1, dtype=torch.uint8)
+        self.generations = np.zeros(num_blocks, np.int64)
+        self.locator = None  # copies travel as bytes (no shared pool)
 
 
 class CostRunner:

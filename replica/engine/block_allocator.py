@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import MutableSequence
 from typing import Protocol
 
 
@@ -44,6 +45,9 @@ class BlockAllocator:
         self.block_size = block_size
         self.cache = cache
         self.ref_counts = [0] * num_blocks
+        # bumped when a block stops holding what it held (its eviction), before its memory
+        # can be reused: a peer copying the block checks it before and after (``transfer``)
+        self.generations: MutableSequence[int] = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()  # LRU first
 
@@ -109,6 +113,7 @@ class BlockAllocator:
         del self._cached[block]
         assert self.cache is not None
         self.cache.evict(block)
+        self.generations[block] += 1
         self._free.append(block)
 
     def evict_all(self) -> None:

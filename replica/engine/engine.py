@@ -56,6 +56,9 @@ class Engine:
             config.decode_reserve,
         )
         self.runner = runner if runner is not None else ModelRunner(config)
+        kv = getattr(self.runner, "kv_cache", None)
+        if kv is not None:  # evictions bump the pool's own counters (what a peer reads)
+            self.block_manager.allocator.generations = kv.generations
         self.clock = clock
         self._eos_token_ids = frozenset(config.shape.eos_token_ids)
         self.sampler = Sampler(config.seed, config.shape.eos_token_ids)

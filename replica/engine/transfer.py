@@ -1,23 +1,27 @@
-"""Moving verified KV blocks between engines: what a replica that lacks a prefix would pull
-from the replica that holds it (issue 23's engine half; the replicas and the router do not
-call it yet).
+"""Moving verified KV blocks between engines: what a replica that lacks a prefix pulls from
+the replica that holds it (``replica.pull`` calls these on each side's engine thread).
 
 ``export_prefix`` answers a requester's prompt (its token ids and cache salt) with the
 holder's longest *verified* cached prefix of it: per full block its hash, its parent's hash,
-its token ids and a CRC-32 of its KV bytes; the bytes themselves (all layers' K and V: one
-contiguous region of the block-major cache per block) travel as one uint8 array, which Ray's
-object store carries without a copy between processes of a node. It runs between engine
-steps, so no eviction can change a block while it is copied. Because it looks the prompt
-up under the requester's salt, a tenant's blocks go only to a request with the same salt.
+its token ids, where it is in the holder's pool and its generation there. The KV (all
+layers' K and V: one contiguous region of the block-major cache per block) travels one of
+two ways. By reference, on the same node, when the holder's pool is shared memory
+(``replica.model.shared_pool``): the receiver copies the blocks straight out of the
+holder's pool and keeps a block only if its generation did not change around the copy (it
+was not evicted or reused meanwhile). As bytes otherwise: one uint8 array with a CRC-32 per
+block, copied between steps (no eviction can change a block then), which Ray's object store
+carries between nodes. Because the holder looks the prompt up under the requester's salt,
+a tenant's blocks go only to a request with the same salt.
 
 ``import_prefix`` holds every block to the rule a local hit keeps, and more: its tokens are
 the requester's tokens at that position, its hash is the one the *receiver* computes for
 them (its own hasher, salt and secret), its parent is the block before it, its bytes have
-the cache's layout and length and match their digest. The first block that fails ends the
-import (a prefix is usable only up to its first gap); the blocks before it are published
-like computed ones and released, so the next admission of the request hits them locally. A
-forged hash, a collision, a torn or truncated copy therefore costs a miss, never a wrong
-token. Imported blocks take free or least recently used cached blocks, never one in use.
+the cache's layout and length and match their digest or their generation. The first block
+that fails ends the import (a prefix is usable only up to its first gap); the blocks before
+it are published like computed ones and released, so the next admission of the request
+hits them locally. A forged hash, a collision, a torn, truncated or overwritten copy, a
+holder that died mid-copy: each costs a miss, never a wrong token. Imported blocks take free
+or least recently used cached blocks, never one in use.
 """
 
 from __future__ import annotations
@@ -31,13 +35,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from replica.model.shared_pool import PoolLocator, read_blocks
+
 
 @dataclass(frozen=True)
 class ExportedBlock:
     block_hash: bytes
     parent_hash: bytes | None  # None for a prompt's first block
     token_ids: tuple[int, ...]
-    crc: int  # zlib.crc32 of the block's bytes
+    crc: int  # zlib.crc32 of the block's bytes (0 when they stay in the holder's pool)
+    block_id: int = -1  # where it is in the holder's pool
+    generation: int = -1  # the block's generation there when exported
 
 
 @dataclass(frozen=True)
@@ -45,9 +53,12 @@ class PrefixExport:
     layout: tuple[str, tuple[int, ...]]  # the cache's dtype and one block's shape
     blocks: tuple[ExportedBlock, ...] = ()
     kv: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.uint8))  # a row a block
+    pool: PoolLocator | None = None  # by reference: read the blocks from the holder's pool
 
     @property
     def num_bytes(self) -> int:
+        if self.pool is not None:
+            return len(self.blocks) * self.pool.block_bytes
         return int(self.kv.nbytes)
 
 
@@ -62,37 +73,45 @@ def _layout(kv_data: torch.Tensor) -> tuple[str, tuple[int, ...]]:
     return str(kv_data.dtype), tuple(kv_data.shape[1:])
 
 
-def _kv(engine: Any) -> torch.Tensor:
+def _kv(engine: Any) -> Any:
     kv = getattr(engine.runner, "kv_cache", None)
     if kv is None:
         raise TypeError("this engine's runner keeps no KV cache (a cost model)")
-    return kv.data
+    return kv
 
 
-def export_prefix(engine: Any, token_ids: Sequence[int], cache_salt: str | None) -> PrefixExport:
-    """The engine's verified cached prefix of ``token_ids`` under ``cache_salt``, as blocks."""
-    data = _kv(engine)
+def export_prefix(
+    engine: Any, token_ids: Sequence[int], cache_salt: str | None, by_reference: bool = False
+) -> PrefixExport:
+    """The engine's verified cached prefix of ``token_ids`` under ``cache_salt``, as blocks:
+    their bytes, or (``by_reference``, when the pool is shared) where they are in the pool."""
+    kv = _kv(engine)
+    data = kv.data
     cache = engine.block_manager.prefix_cache
-    if cache is None:
-        return PrefixExport(_layout(data))
-    path = cache.lookup(token_ids, cache_salt)
+    path = cache.lookup(token_ids, cache_salt) if cache is not None else []
     if not path:
         return PrefixExport(_layout(data))
-    kv = data[path].view(torch.uint8).reshape(len(path), -1).numpy()  # a copy: indexed
+    pool = kv.locator if by_reference else None
+    rows = np.zeros((0, 0), np.uint8)
+    if pool is None:
+        rows = data[path].view(torch.uint8).reshape(len(path), -1).numpy()  # a copy: indexed
     blocks = []
     for row, block_id in enumerate(path):
         entry = cache.entry(block_id)
         parent = entry.parent.block_hash if entry.parent is not None else None
-        crc = zlib.crc32(kv[row])
-        blocks.append(ExportedBlock(entry.block_hash, parent, entry.token_ids, crc))
-    return PrefixExport(_layout(data), tuple(blocks), kv)
+        crc = zlib.crc32(rows[row]) if pool is None else 0
+        generation = int(kv.generations[block_id])
+        blocks.append(
+            ExportedBlock(entry.block_hash, parent, entry.token_ids, crc, block_id, generation)
+        )
+    return PrefixExport(_layout(data), tuple(blocks), rows, pool)
 
 
 def import_prefix(
     engine: Any, token_ids: Sequence[int], cache_salt: str | None, export: PrefixExport
 ) -> ImportResult:
     """Publish the verified blocks of ``export`` that this engine lacks (see the module)."""
-    data = _kv(engine)
+    data = _kv(engine).data
     manager = engine.block_manager
     cache = manager.prefix_cache
     result = ImportResult()
@@ -106,16 +125,7 @@ def import_prefix(
     held = cache.lookup(token_ids, cache_salt, expected)
     result.already_held = len(held)
     count = _verified(export, token_ids, expected, len(held), manager.block_size, data, result)
-    _publish(
-        engine,
-        export.kv[len(held) : len(held) + count],
-        held,
-        data,
-        token_ids,
-        expected,
-        cache_salt,
-        result,
-    )
+    _publish(engine, export, held, count, data, token_ids, expected, cache_salt, result)
     return result
 
 
@@ -128,10 +138,12 @@ def _verified(
     data: torch.Tensor,
     result: ImportResult,
 ) -> int:
-    """How many blocks from position ``start`` on pass every check, up to the first that
-    does not (its reason recorded)."""
+    """How many blocks from position ``start`` on pass every check that can be made before
+    the copy, up to the first that does not (its reason recorded). Bytes that travelled are
+    checked here (length, checksum); blocks read from a shared pool after their copy."""
     size = data[0].numel() * data.element_size()
     rows, width = export.kv.shape if export.kv.ndim == 2 else (0, 0)
+    by_bytes = export.pool is None
     wanted = 0
     for i, block in enumerate(export.blocks[start:], start):
         tokens = tuple(token_ids[i * block_size : (i + 1) * block_size])
@@ -141,6 +153,8 @@ def _verified(
             else "tokens differ" if block.token_ids != tokens
             else "hash differs" if block.block_hash != expected[i]
             else "parent differs" if block.parent_hash != parent
+            else "wrong pool" if not by_bytes and export.pool.block_bytes != size
+            else None if not by_bytes
             else "truncated" if i >= rows or width != size
             else "checksum differs" if zlib.crc32(export.kv[i]) != block.crc
             else None
@@ -154,34 +168,48 @@ def _verified(
 
 def _publish(
     engine: Any,
-    rows: np.ndarray,
+    export: PrefixExport,
     held: list[int],
+    count: int,
     data: torch.Tensor,
     token_ids: Sequence[int],
     expected: list[bytes],
     cache_salt: str | None,
     result: ImportResult,
 ) -> None:
-    """Copy the blocks in, publish them after the held ones, and release them (cached),
-    deepest first, as a sequence releases its blocks: a parent is never evicted before its
-    children (an evicted parent would strand them)."""
+    """Copy the ``count`` verified blocks after the held ones in, publish those that
+    arrived intact, and release them (cached), deepest first, as a sequence releases its
+    blocks: a parent is never evicted before its children (an evicted parent would strand
+    them). Blocks that did not arrive intact go back free, unpublished."""
     manager = engine.block_manager
     allocator, cache, bs = manager.allocator, manager.prefix_cache, manager.block_size
     for block in held:  # pinned while allocating: the allocation must not evict them
         allocator.share(block)
-    ids = allocator.allocate(min(len(rows), allocator.num_available))
-    if ids:
-        flat = data.view(torch.uint8).view(data.shape[0], -1)
-        with warnings.catch_warnings():  # a read-only array (Ray's shared memory): only read
-            warnings.simplefilter("ignore", UserWarning)
-            flat[ids] = torch.from_numpy(np.ascontiguousarray(rows[: len(ids)]))
+    ids = allocator.allocate(min(count, allocator.num_available))
+    arrived = _copy_in(export, len(held), ids, data) if ids else 0
     parent = held[-1] if held else None
-    for offset, block_id in enumerate(ids):
+    for offset, block_id in enumerate(ids[:arrived]):
         i = len(held) + offset
         cache.publish(block_id, expected[i], token_ids[i * bs : (i + 1) * bs], parent, cache_salt)
         parent = block_id
     for block_id in reversed([*held, *ids]):
         allocator.free(block_id)
-    result.imported = len(ids)
-    if len(ids) < len(rows):
-        result.rejected.append(f"room for {len(ids)} of {len(rows)} blocks")
+    result.imported = arrived
+    if arrived < len(ids):
+        result.rejected.append(f"block {len(held) + arrived}: changed or gone mid-copy")
+    elif len(ids) < count:
+        result.rejected.append(f"room for {len(ids)} of {count} blocks")
+
+
+def _copy_in(export: PrefixExport, first: int, ids: list[int], data: torch.Tensor) -> int:
+    """Copy exported blocks ``first``.. into this pool's ``ids``; how many arrived intact."""
+    flat = data.view(torch.uint8).view(data.shape[0], -1)
+    if export.pool is not None:
+        blocks = export.blocks[first : first + len(ids)]
+        rows = [flat[block_id].numpy() for block_id in ids]
+        sources = [b.block_id for b in blocks]
+        return read_blocks(export.pool, sources, [b.generation for b in blocks], rows)
+    with warnings.catch_warnings():  # a read-only array (Ray's shared memory): only read
+        warnings.simplefilter("ignore", UserWarning)
+        flat[ids] = torch.from_numpy(np.ascontiguousarray(export.kv[first : first + len(ids)]))
+    return len(ids)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from replica.model import kernels
+from replica.model.shared_pool import PoolLocator, SharedPool, shared_memory_available
 
 DECODE_TILE = 8  # decodes attended together (sharing the blocks they have in common)
 PREFILL_TILE = 32  # rows of one prompt chunk attended together
@@ -39,13 +41,22 @@ class KVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        shared: bool = False,
     ) -> None:
         self.block_size, self.head_dim = block_size, head_dim
         self.pack = 2 if dtype == torch.bfloat16 else 1
         if block_size % self.pack or head_dim % self.pack:
             raise ValueError("bfloat16 needs an even block_size and head_dim")
         shape = (num_blocks, num_layers, 2, num_kv_heads, block_size * head_dim)
-        self.data = torch.zeros(shape, dtype=dtype)
+        # shared: on a memfd that same-node replicas read when they pull (``shared_pool``)
+        self.locator: PoolLocator | None = None
+        if shared and shared_memory_available():
+            pool = SharedPool(shape, dtype)
+            self.data, self.generations, self.locator = pool.data, pool.generations, pool.locator
+            self._pool = pool  # keeps the mapping (and the memfd) alive
+        else:
+            self.data = torch.zeros(shape, dtype=dtype)
+            self.generations = np.zeros(num_blocks, np.int64)
 
     @property
     def dtype(self) -> torch.dtype:

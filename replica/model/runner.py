@@ -40,7 +40,13 @@ class ModelRunner:
         pack_linears(self.model, kernel=self.use_kernel)
         m = config.shape
         self.kv_cache = KVCache(
-            m.num_layers, config.num_blocks, config.block_size, m.num_kv_heads, m.head_dim, dtype
+            m.num_layers,
+            config.num_blocks,
+            config.block_size,
+            m.num_kv_heads,
+            m.head_dim,
+            dtype,
+            shared=config.shared_kv_pool,
         )
         self.block_size = config.block_size
 
