@@ -1,10 +1,13 @@
 """``pull``: what a prefix of N tokens costs a request's first token three ways: computed
 (nothing cached), a local hit, and pulled from another replica that holds it.
 
-``--where engine``: two engines in one process (``replica.engine.transfer``: exported,
-carried as Ray's object store carries it between processes of a node, pickled with its
-array out of band and the array copied once as a put into shared memory does, verified and
-imported, then admitted as a local hit), the three alternated (A B C C B A ...).
+``--where engine``: two engines in one process (``replica.engine.transfer``), the three
+alternated (A B C C B A ...). The pulled prefix is exported, carried and imported, verified,
+then admitted as a local hit. ``--transport shared_memory`` (the default, what same-node
+replicas do): only where the blocks are travels, and the puller copies them out of the
+holder's shared pool; ``object_store`` (what replicas on different nodes do): the bytes
+travel as Ray's object store carries them, pickled with the array out of band and copied
+once, as a put into shared memory does.
 
 ``--where cluster``: the real thing: 2 replicas behind round robin with pulls on, the
 ``openai`` SDK streaming. Each repeat a new system prompt of N tokens goes to replica X
@@ -58,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--pause-s", type=float, default=0.5, help="cluster: between requests")
     parser.add_argument(
+        "--transport",
+        choices=["shared_memory", "object_store"],
+        default="shared_memory",
+        help="how the KV travels (pull.shared_memory): from the holder's pool, or as bytes",
+    )
+    parser.add_argument(
         "--calibrate", type=Path, help="write the fitted pull cost into this simulator cost model"
     )
 
@@ -77,7 +86,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         measured = {n: engine_pulls(args, n) for n in sizes(args)}
     else:
         measured = cluster_pulls(args)
-    result: dict[str, Any] = {"where": args.where, "model": args.model, "sizes": {}}
+    result: dict[str, Any] = {
+        "where": args.where,
+        "model": args.model,
+        "transport": args.transport,
+        "sizes": {},
+    }
     for n, found in measured.items():
         seconds = found.pop("seconds")
         for mode in MODES:
@@ -125,7 +139,8 @@ def _calibrate(path: Path, fit: dict[str, Any], args: argparse.Namespace) -> Non
 
 
 def engine_pulls(args: argparse.Namespace, tokens: int) -> dict[str, Any]:
-    config = engine_config(args)
+    by_reference = args.transport == "shared_memory"
+    config = engine_config(args).model_copy(update={"shared_kv_pool": by_reference})
     holder, puller = Engine(config), Engine(config)
     vocab = config.shape.vocab_size
     prefix = [(13 * i + 7) % (vocab - 20) + 10 for i in range(tokens)]
@@ -142,7 +157,7 @@ def engine_pulls(args: argparse.Namespace, tokens: int) -> dict[str, Any]:
             puller.reset_prefix_cache()
             start = time.perf_counter()
             if mode == "pulled":
-                carried = _carried(export_prefix(holder, prompt, None))
+                carried = _carried(export_prefix(holder, prompt, None, by_reference), by_reference)
                 imported = import_prefix(puller, prompt, None, carried)
                 assert not imported.rejected, imported.rejected
                 pull_s.append(time.perf_counter() - start)
@@ -154,8 +169,11 @@ def engine_pulls(args: argparse.Namespace, tokens: int) -> dict[str, Any]:
     return {"seconds": seconds, "pull_only_s": spread(pull_s), "pulled_bytes": pulled_bytes}
 
 
-def _carried(export: PrefixExport) -> PrefixExport:
-    """``export`` as another process on the node reads it from Ray's object store."""
+def _carried(export: PrefixExport, by_reference: bool) -> PrefixExport:
+    """``export`` as another process on the node reads it from Ray's object store (by
+    reference: only where its blocks are travels, pickled)."""
+    if by_reference:
+        return pickle.loads(pickle.dumps(export))
     buffers: list[pickle.PickleBuffer] = []
     data = pickle.dumps(export, protocol=5, buffer_callback=buffers.append)
     stored = [bytes(b.raw()) for b in buffers]  # the put: one copy into shared memory
@@ -170,7 +188,7 @@ def cluster_pulls(args: argparse.Namespace) -> dict[str, Any]:
             replica_num_cpus=0.5,
             engine=config,
             routing=routing_config(policy="round_robin", stats_period_s=0.5),
-            pull=PullConfig(enabled=True),
+            pull=PullConfig(enabled=True, shared_memory=args.transport == "shared_memory"),
             index=IndexConfig(url=redis_server.url, cluster="pull-bench"),
         )
         with ServeCluster(cluster_args, log_path=None) as cluster:
@@ -182,7 +200,8 @@ def cluster_pulls(args: argparse.Namespace) -> dict[str, Any]:
             measured = {n: _pull_rounds(client, config.model_id, args, n) for n in sizes(args)}
             time.sleep(2 * 0.5 + 0.5)  # the replicas' counters, a stats period later
             stats = cluster.stats()["replicas"]
-    keys = ("pulls", "pulled_blocks", "pulled_bytes", "pull_seconds", "pulls_failed")
+    keys = ("pulls", "pulls_shared_memory", "pulled_blocks", "pulled_bytes", "pull_seconds")
+    keys += ("pulls_failed",)
     counters = {
         rid: {k: s.get(k) for k in (*keys, "pull_blocks_refused")} for rid, s in stats.items()
     }

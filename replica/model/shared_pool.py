@@ -39,6 +39,7 @@ import torch
 MAGIC = b"PSKVPOOL"
 VERSION = 1
 GEN_OFFSET = 4096
+MADV_POPULATE_WRITE = 23  # Linux 5.14; Python 3.11's mmap does not name it
 _HEADER = struct.Struct("<8sI16sQQQ")  # magic, version, nonce, blocks, block bytes, data at
 
 
@@ -70,6 +71,7 @@ class SharedPool:
         self.fd = os.memfd_create("prefix-serve-kv", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, size)  # zero pages, taken as they are first written
         self._map = mmap.mmap(self.fd, size)
+        _populate(self._map)
         nonce = secrets.token_bytes(16)
         header = _HEADER.pack(MAGIC, VERSION, nonce, num_blocks, block_bytes, data_offset)
         self._map[: len(header)] = header
@@ -133,6 +135,18 @@ def _generations(fd: int, locator: PoolLocator) -> np.ndarray:
     if len(raw) != 8 * locator.num_blocks:
         return np.full(locator.num_blocks, -1, np.int64)  # nothing matches a short read
     return np.frombuffer(raw, np.int64)
+
+
+def _populate(region: mmap.mmap) -> None:
+    """Take every page now, as the private pool it replaces did (``torch.zeros``): a page
+    first touched by a pull's copy costs a fault and a zeroing each (measured: a 1,024-token
+    SmolLM2 pull took 45-170 ms into fresh pages, 10 ms into touched ones)."""
+    try:
+        region.madvise(MADV_POPULATE_WRITE)
+    except OSError:  # a kernel before 5.14: touch each page
+        step = mmap.PAGESIZE
+        view = np.frombuffer(region, np.uint8)
+        view[::step] = 0
 
 
 def _round_up(n: int, to: int) -> int:
