@@ -19,6 +19,11 @@
     {ns}:loads             HASH   "<replica>:prefill" / ":active" / ":decode": the sums of
                                   each replica's bookings
     {ns}:reaping           STRING set while one caller reaps expired replicas
+    {ns}:ev                STREAM the log of every change a query would see, entry ids
+                                  ``0-<seq>`` (``kvindex.mirror`` follows it)
+    {ns}:evseq             STRING the log's last sequence number
+    {ns}:evid              STRING the log's name: set by its first event, so a fresh Redis
+                                  (a restart) starts a log of another name
 
 The Lua scripts (``kvindex.scripts``) build these names themselves; the few keys Python reads
 directly are built here. Only hashes are stored, never tokens or text; with a cluster secret

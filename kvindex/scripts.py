@@ -4,9 +4,41 @@ Key layout and semantics are documented in ``kvindex.keys``. Every script that w
 replica's blocks first checks the caller's epoch, so a replaced replica cannot write.
 """
 
+# The most events the log keeps (trimmed approximately): a mirror that falls further
+# behind than this resyncs (``kvindex.mirror``).
+EVENTS_MAX_LEN = 100_000
+
+# Shared: append one event to the namespace's log (a stream whose entry ids are sequence
+# numbers, ``0-<seq>``, so a follower sees a gap as a jump). ``{ns}:evid`` names the log: a
+# fresh Redis starts a new one (its first event stamps it with the server's time), so a
+# follower notices a restart even before the sequence numbers say so. Events (``o``):
+# ``reg`` (a = epoch), ``dereg``, ``purge`` (everything of the replica), ``add``/``rem``
+# (a = hashes, 16 bytes each, concatenated), ``load`` (a = "prefill:active:decode", the
+# replica's totals after the change: idempotent), ``pred`` (a = expiry ms, b = hashes).
+EMIT = (
+    """
+local function emit(ns, op, rid, a, b)
+  local seq = redis.call('INCR', ns .. ':evseq')
+  if seq == 1 or redis.call('EXISTS', ns .. ':evid') == 0 then
+    local t = redis.call('TIME')
+    redis.call('SET', ns .. ':evid', t[1] .. '.' .. t[2] .. '.' .. seq)
+  end
+  redis.call('XADD', ns .. ':ev', 'MAXLEN', '~', '%d', '0-' .. seq,
+    'o', op, 'r', rid, 'a', a or '', 'b', b or '')
+  return seq
+end
+local function emit_load(ns, rid)
+  local v = redis.call('HMGET', ns .. ':loads', rid .. ':prefill', rid .. ':active',
+    rid .. ':decode')
+  return emit(ns, 'load', rid, (v[1] or 0) .. ':' .. (v[2] or 0) .. ':' .. (v[3] or 0))
+end
+"""
+    % EVENTS_MAX_LEN
+)
+
 # Shared by the scripts: drop everything of replica ``rid``: its blocks, predicted blocks,
 # footprint, stats, bookings and load.
-PURGE = """
+PURGE = EMIT + """
 local function purge(ns, rid)
   local rkey, pr = ns .. ':r:' .. rid, ns .. ':pr:' .. rid
   local blocks = redis.call('SMEMBERS', rkey)
@@ -17,6 +49,7 @@ local function purge(ns, rid)
   redis.call('DEL', rkey, pr, ns .. ':stats:' .. rid, ns .. ':bk:' .. rid, ns .. ':bt:' .. rid)
   redis.call('HDEL', ns .. ':fp', rid)
   redis.call('HDEL', ns .. ':loads', rid .. ':prefill', rid .. ':active', rid .. ':decode')
+  emit(ns, 'purge', rid)
   return #blocks
 end
 """
@@ -86,6 +119,7 @@ local purged = 0
 if old ~= epoch then purged = purge(ns, rid) end
 redis.call('HSET', ns .. ':replicas', rid, epoch)
 redis.call('SET', ns .. ':hb:' .. rid, epoch, 'PX', ARGV[4])
+emit(ns, 'reg', rid, epoch)
 return purged
 """
 )
@@ -99,6 +133,7 @@ if redis.call('HGET', ns .. ':replicas', rid) ~= ARGV[3] then return -1 end
 local n = purge(ns, rid)
 redis.call('HDEL', ns .. ':replicas', rid)
 redis.call('DEL', ns .. ':hb:' .. rid)
+emit(ns, 'dereg', rid)
 return n
 """
 )
@@ -131,6 +166,8 @@ for i = 6 + n_stored, #ARGV do
   redis.call('SREM', ns .. ':b:' .. ARGV[i], rid)
   redis.call('SREM', rkey, ARGV[i])
 end
+if n_stored > 0 then emit(ns, 'add', rid, table.concat(ARGV, '', 6, 5 + n_stored)) end
+if #ARGV > 5 + n_stored then emit(ns, 'rem', rid, table.concat(ARGV, '', 6 + n_stored)) end
 local footprint = redis.call('SCARD', rkey)
 redis.call('HSET', ns .. ':fp', rid, footprint)
 return footprint
@@ -218,6 +255,7 @@ return flat
 # blocks as predicted-held there until the replica publishes them.
 BOOK = (
     NOW
+    + EMIT
     + UNBOOK
     + """
 local ns, rep, req = ARGV[1], ARGV[2], ARGV[3]
@@ -241,14 +279,18 @@ for i = 8, #ARGV do
   redis.call('PEXPIRE', pb, ttl)
   redis.call('ZADD', pr, now + ttl, ARGV[i])
 end
-if #ARGV >= 8 then redis.call('PEXPIRE', pr, ttl) end
-return 1
+if #ARGV >= 8 then
+  redis.call('PEXPIRE', pr, ttl)
+  emit(ns, 'pred', rep, string.format('%d', now + ttl), table.concat(ARGV, '', 8))
+end
+return emit_load(ns, rep)
 """
 )
 
 # ARGV: ns, replica, request id. Its prompt is computed: it no longer counts as prefill.
 PREFILL_DONE = (
-    UNBOOK
+    EMIT
+    + UNBOOK
     + """
 local ns, rep, req = ARGV[1], ARGV[2], ARGV[3]
 local bt = ns .. ':bt:' .. rep
@@ -257,15 +299,17 @@ if not fields then return 0 end
 local sep = string.find(fields, ':')
 add(ns, rep, 'prefill', -tonumber(string.sub(fields, 1, sep - 1)))
 redis.call('HSET', bt, req, '0' .. string.sub(fields, sep))
-return 1
+return emit_load(ns, rep)
 """
 )
 
 # ARGV: ns, replica, request id. The request is over (finished, failed or aborted).
 RELEASE = (
-    UNBOOK
+    EMIT
+    + UNBOOK
     + """
-return unbook(ARGV[1], ARGV[2], ARGV[3])
+if unbook(ARGV[1], ARGV[2], ARGV[3]) == 0 then return 0 end
+return emit_load(ARGV[1], ARGV[2])
 """
 )
 
@@ -288,9 +332,37 @@ for rid, alive in pairs(live) do
   if not alive then
     purge(ns, rid)
     redis.call('HDEL', ns .. ':replicas', rid)
+    emit(ns, 'dereg', rid)
     reaped = reaped + 1
   end
 end
 return reaped
+"""
+)
+
+
+# ARGV: ns. What a mirror starts from (``kvindex.mirror``), read at one instant: the log's
+# name and last sequence number, the registry (id, epoch, ...) and the loads hash. The
+# blocks are read after, replica by replica (set operations: replaying the log from this
+# sequence number on makes them exact whatever the interleaving).
+SNAPSHOT = """
+local ns = ARGV[1]
+return {
+  redis.call('GET', ns .. ':evid') or '',
+  redis.call('GET', ns .. ':evseq') or '0',
+  redis.call('HGETALL', ns .. ':replicas'),
+  redis.call('HGETALL', ns .. ':loads'),
+}
+"""
+
+# ARGV: ns. The registered replicas whose heartbeat is current, and the log's name and last
+# sequence number (a mirror's poll: liveness is not logged, it expires).
+LIVE_NOW = (
+    LIVE
+    + """
+local ns = ARGV[1]
+local _, order = live_replicas(ns)
+return {redis.call('GET', ns .. ':evid') or '', redis.call('GET', ns .. ':evseq') or '0', order,
+  redis.call('TIME')}
 """
 )

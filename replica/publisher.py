@@ -28,6 +28,7 @@ class PublisherCounters:
     dropped_batches: int = 0  # batches lost to a failure (repaired by a resync)
     overflows: int = 0  # unsent changes exceeded max_pending_hashes (repaired by a resync)
     registrations: int = 0
+    heartbeats: int = 0  # heartbeats Redis took
 
 
 class IndexPublisher:
@@ -192,7 +193,9 @@ class IndexPublisher:
                 stats = self.stats()
             except Exception:  # stats are a courtesy; liveness must not depend on them
                 log.exception("replica stats failed")
-        if not self.index.heartbeat(self.replica_id, self.epoch, stats):
+        beat = self.index.heartbeat(self.replica_id, self.epoch, stats)
+        self.counters.heartbeats += 1
+        if not beat:
             # Redis lost us (restarted empty) or reaped us: register again and resync.
             with self._cond:
                 self._registered = False

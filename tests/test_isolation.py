@@ -1,7 +1,11 @@
 """A cluster of the suite's own, on a Ray of its own, with pulls on (``replica.pull``):
 
 * a pulled prefix: a long prompt served on one replica, then the same prefix on the other
-  (round robin sends it there), which pulls the blocks from the first and hits them;
+  (round robin sends it there), which pulls the blocks from the first and hits them, out
+  of the holder's shared pool (both replicas are on this node);
+* a holder SIGKILLed before the other replica pulls from it (the index still lists it):
+  the pull gives up at its deadline, the prefix is recomputed, the answer is the same and
+  the survivor's block accounting adds up;
 * isolation: a Ray started on the machine by someone else is neither joined nor stopped.
   The outside cluster is started as a user starts one (``ray start --head``), in a
   temporary folder this module makes the machine's default (``RAY_TMPDIR``, where ``ray``
@@ -12,6 +16,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +27,7 @@ from pathlib import Path
 import openai
 import pytest
 from conftest import tiny
+from streams import replica_pids
 
 from bench.harness.launcher import ServeCluster
 from bench.harness.private_ray import PrivateRay
@@ -54,7 +61,8 @@ def cluster(outside: PrivateRay) -> Iterator[ServeCluster]:
             engine=tiny(num_threads=1, num_blocks=256, max_model_len=2048),
             routing=routing_config(policy="round_robin", stats_period_s=0.5),
             pull=PullConfig(enabled=True),
-            index=IndexConfig(url=redis_server.url, cluster="isolation"),
+            # a dead holder stays listed long enough that a puller tries it
+            index=IndexConfig(url=redis_server.url, cluster="isolation", heartbeat_ttl_s=10),
         )
         with ServeCluster(args) as c:
             yield c
@@ -85,7 +93,37 @@ def test_a_replica_pulls_the_prefix_another_holds(cluster: ServeCluster) -> None
         assert time.monotonic() < deadline, stats
         time.sleep(0.2)
     assert stats["pulls"] == 1 and stats["pulls_failed"] == 0
+    assert stats["pulls_shared_memory"] == 1  # the same node: read from the holder's pool
     assert stats["pulled_blocks"] * 16 >= len(system) and stats["pull_blocks_refused"] == 0
+
+
+def counter(cluster: ServeCluster, replica: str, name: str, above: int) -> int:
+    """The replica's counter once it exceeds ``above`` (a stats period later), or its value
+    after 10 s."""
+    deadline = time.monotonic() + 10
+    while (value := cluster.stats()["replicas"][replica].get(name) or 0) <= above:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    return value
+
+
+def test_a_holder_killed_before_the_pull_costs_a_recompute(cluster: ServeCluster) -> None:
+    system = "Another long system prompt; its holder dies before anyone pulls it. " * 20
+    first, holder = chat(cluster, system, "K?")
+    time.sleep(0.5)  # published
+    pids = replica_pids(cluster)
+    (survivor,) = set(pids) - {holder}
+    failed = cluster.stats()["replicas"][survivor].get("pulls_failed") or 0
+    os.kill(pids[holder], signal.SIGKILL)
+    second, served_on = chat(cluster, system, "K?")
+    assert served_on == survivor
+    assert second.choices[0].message.content == first.choices[0].message.content
+    assert second.usage.prompt_tokens_details.cached_tokens == 0  # recomputed
+    assert counter(cluster, survivor, "pulls_failed", failed) == failed + 1
+    audits = cluster.stats()["replicas"][survivor]["idle_audits"]
+    assert counter(cluster, survivor, "idle_audits", audits) > audits  # idle since
+    assert cluster.stats()["replicas"][survivor]["audit_error"] is None
 
 
 def test_a_ray_started_outside_the_suite_is_left_alone(

@@ -1,0 +1,202 @@
+"""A router's live copy of the index, so a routing decision never waits on Redis.
+
+Redis stays the index's home: replicas publish into it as before, and every script that
+changes what a query would answer also appends an event to the namespace's log (a stream,
+``kvindex.scripts.EMIT``; entry ids are sequence numbers). A mirror loads a snapshot (the
+registry and loads at one instant, then each replica's blocks), follows the log from the
+snapshot's sequence number, and answers ``query`` from memory with what ``IndexReader.query``
+would answer from Redis on the same state: a test holds the two equal.
+
+It resyncs (a new snapshot) when the log jumps (it fell behind the log's trimming), when
+the log's name changes (Redis restarted, empty or rebuilt) or its sequence number goes back,
+and when it cannot reach Redis for long enough that events may be gone. Liveness is not
+logged (heartbeats expire): the follower polls the live set every ``live_poll_s`` (one
+script, O(replicas)). While it has not synced, or has not heard from Redis for
+``stale_after_s``, ``query`` answers None ("unknown": the router falls back as it does when
+Redis does not answer).
+
+Predicted blocks (routers' bookings) are in the log, not in the snapshot: a mirror that
+just started lacks predictions made in the last ``predict_ttl_s`` before it (they expire by
+then anyway). Memory: one dict entry per distinct block (its holders as a bitmask over
+replica slots) and one set entry per (replica, block), measured by ``bench index``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvindex import keys, scripts
+from kvindex.config import IndexConfig
+from kvindex.mirror_state import MirrorState
+from kvindex.reader import Answer
+
+@dataclass
+class MirrorCounters:
+    events: int = 0
+    resyncs: int = 0  # snapshots taken (the first included)
+    gaps: int = 0  # resyncs because the log jumped past what this mirror had read
+    restarts: int = 0  # resyncs because the log's name changed or went back (Redis restart)
+    failures: int = 0  # Redis errors met while following
+    unknown_answers: int = 0  # queries answered None (not synced, or stale)
+
+
+class IndexMirror:
+    """Follows one namespace's log on a thread of its own; ``query`` is thread-safe."""
+
+    def __init__(
+        self,
+        config: IndexConfig,
+        model_id: str,
+        block_ms: int = 50,
+        live_poll_s: float | None = None,
+        stale_after_s: float | None = None,
+    ) -> None:
+        self.namespace = keys.namespace(config.cluster, model_id)
+        self._log = f"{self.namespace}:ev"
+        self._redis = redis.Redis.from_url(
+            config.url,
+            retry=Retry(NoBackoff(), 0),
+            socket_timeout=config.timeout_s + block_ms / 1000,
+            socket_connect_timeout=config.connect_timeout_s,
+        )
+        self._snapshot = self._redis.register_script(scripts.SNAPSHOT)
+        self._live_now = self._redis.register_script(scripts.LIVE_NOW)
+        self.block_ms = block_ms
+        self.live_poll_s = live_poll_s or config.heartbeat_interval_s
+        self.stale_after_s = stale_after_s or config.heartbeat_ttl_s
+        self.counters = MirrorCounters()
+        self.state = MirrorState()
+        self._lock = threading.Lock()
+        self._log_id: str | None = None  # None: not synced
+        self._heard = 0.0  # monotonic time of the last answer from Redis
+        self._next_live = 0.0
+        self._clock_offset_ms = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def seq(self) -> int:
+        """The last event applied."""
+        return self.state.seq
+
+    def start(self) -> IndexMirror:
+        self._thread = threading.Thread(target=self._run, name="index-mirror", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        self._redis.close()
+
+    def synced(self) -> bool:
+        return self._log_id is not None and time.monotonic() - self._heard < self.stale_after_s
+
+    def query(self, block_hashes: Sequence[bytes]) -> Answer | None:
+        """``IndexReader.query``'s answer, from memory; None while not synced or stale."""
+        if not self.synced():
+            self.counters.unknown_answers += 1
+            return None
+        with self._lock:
+            return self.state.answer(block_hashes, time.time() * 1000 + self._clock_offset_ms)
+
+    def wait_for(self, seq: int, timeout_s: float = 5.0) -> bool:
+        """Block until the event ``seq`` is applied (tests, benchmarks)."""
+        deadline = time.monotonic() + timeout_s
+        while self.state.seq < seq or not self.synced():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+    def step(self) -> int:
+        """One round of following: resync if needed, poll liveness when due, apply the
+        events that came (waiting up to ``block_ms``). Returns the events applied."""
+        if self._log_id is None:
+            self.resync()
+        if time.monotonic() >= self._next_live:
+            self._poll_live()
+        return self._follow()
+
+    def resync(self) -> None:
+        """A fresh snapshot, swapped in whole."""
+        log_id, seq, registry, loads = self._snapshot(args=[self.namespace])
+        registry = _pairs(registry)
+        fresh = MirrorState()
+        fresh.seq = int(seq)
+        pipe = self._redis.pipeline(transaction=False)
+        rids = list(registry)
+        for rid in rids:
+            pipe.smembers(f"{self.namespace}:r:{rid}")
+        for rid, members in zip(rids, pipe.execute() if rids else [], strict=True):
+            fresh.register(rid, registry[rid])
+            fresh.add(rid, members)
+        for field, value in _pairs(loads).items():
+            rid, _, name = field.rpartition(":")
+            fresh.set_load_field(rid, name, int(value))
+        with self._lock:
+            self.state = fresh
+            self._log_id = _text(log_id)
+        self._heard = time.monotonic()
+        self._next_live = 0.0
+        self.counters.resyncs += 1
+
+    def _poll_live(self) -> None:
+        sent = time.time() * 1000
+        log_id, seq, live, (secs, usecs) = self._live_now(args=[self.namespace])
+        if _text(log_id) != self._log_id or int(seq) < self.state.seq:
+            self.counters.restarts += 1
+            self.resync()
+            return
+        # predictions expire by Redis's clock: how far ahead of ours it is (half the trip)
+        redis_ms = int(secs) * 1000 + int(usecs) / 1000
+        self._clock_offset_ms = redis_ms - (sent + time.time() * 1000) / 2
+        with self._lock:
+            self.state.set_live([_text(r) for r in live])
+        self._heard = time.monotonic()
+        self._next_live = self._heard + self.live_poll_s
+
+    def _follow(self) -> int:
+        start = f"0-{self.state.seq}"
+        reply = self._redis.xread({self._log: start}, count=10_000, block=self.block_ms)
+        self._heard = time.monotonic()
+        entries = reply[0][1] if reply else []
+        if not entries:
+            return 0
+        first = int(_text(entries[0][0]).split("-")[1])
+        if first != self.state.seq + 1:
+            self.counters.gaps += 1
+            self.resync()
+            return 0
+        with self._lock:
+            for entry_id, fields in entries:
+                self.state.apply(fields)
+                self.state.seq = int(_text(entry_id).split("-")[1])
+        self.counters.events += len(entries)
+        return len(entries)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.step()
+            except (redis.RedisError, OSError):
+                self.counters.failures += 1
+                if time.monotonic() - self._heard > self.stale_after_s:
+                    self._log_id = None  # events may have been missed: start over
+                self._stop.wait(0.1)
+
+
+def _pairs(flat: list) -> dict[str, str]:
+    return {_text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
