@@ -15,9 +15,9 @@ script, O(replicas)). While it has not synced, or has not heard from Redis for
 ``stale_after_s``, ``query`` answers None ("unknown": the router falls back as it does when
 Redis does not answer).
 
-Predicted blocks (routers' bookings) are in the log, not in the snapshot: a mirror that
-just started lacks predictions made in the last ``predict_ttl_s`` before it (they expire by
-then anyway). Memory: one dict entry per distinct block (its holders as a bitmask over
+Predicted blocks (routers' bookings) come in the snapshot from each registered replica's
+list of its predictions (``{ns}:pr:<replica>``, with their expiry), then from the log.
+Memory: one dict entry per distinct block (its holders as a bitmask over
 replica slots) and one set entry per (replica, block), measured by ``bench index``.
 """
 
@@ -36,6 +36,7 @@ from kvindex import keys, scripts
 from kvindex.config import IndexConfig
 from kvindex.mirror_state import MirrorState
 from kvindex.reader import Answer
+
 
 @dataclass
 class MirrorCounters:
@@ -69,8 +70,8 @@ class IndexMirror:
         self._snapshot = self._redis.register_script(scripts.SNAPSHOT)
         self._live_now = self._redis.register_script(scripts.LIVE_NOW)
         self.block_ms = block_ms
-        self.live_poll_s = live_poll_s or config.heartbeat_interval_s
-        self.stale_after_s = stale_after_s or config.heartbeat_ttl_s
+        self.live_poll_s = config.heartbeat_interval_s if live_poll_s is None else live_poll_s
+        self.stale_after_s = config.heartbeat_ttl_s if stale_after_s is None else stale_after_s
         self.counters = MirrorCounters()
         self.state = MirrorState()
         self._lock = threading.Lock()
@@ -136,9 +137,13 @@ class IndexMirror:
         rids = list(registry)
         for rid in rids:
             pipe.smembers(f"{self.namespace}:r:{rid}")
-        for rid, members in zip(rids, pipe.execute() if rids else [], strict=True):
+            pipe.zrange(f"{self.namespace}:pr:{rid}", 0, -1, withscores=True)
+        replies = pipe.execute() if rids else []
+        for i, rid in enumerate(rids):
             fresh.register(rid, registry[rid])
-            fresh.add(rid, members)
+            fresh.add(rid, replies[2 * i])
+            for block, expiry in replies[2 * i + 1]:  # a prediction expires by its score
+                fresh.predict(rid, expiry, [block])
         for field, value in _pairs(loads).items():
             rid, _, name = field.rpartition(":")
             fresh.set_load_field(rid, name, int(value))
@@ -152,6 +157,8 @@ class IndexMirror:
     def _poll_live(self) -> None:
         sent = time.time() * 1000
         log_id, seq, live, (secs, usecs) = self._live_now(args=[self.namespace])
+        if self._log_id == "" and int(seq) >= self.state.seq:
+            self._log_id = _text(log_id)  # the log had no name at the snapshot: its first event
         if _text(log_id) != self._log_id or int(seq) < self.state.seq:
             self.counters.restarts += 1
             self.resync()

@@ -15,15 +15,14 @@ EVENTS_MAX_LEN = 100_000
 # ``reg`` (a = epoch), ``dereg``, ``purge`` (everything of the replica), ``add``/``rem``
 # (a = hashes, 16 bytes each, concatenated), ``load`` (a = "prefill:active:decode", the
 # replica's totals after the change: idempotent), ``pred`` (a = expiry ms, b = hashes).
-EMIT = (
-    """
+EMIT = """
 local function emit(ns, op, rid, a, b)
   local seq = redis.call('INCR', ns .. ':evseq')
   if seq == 1 or redis.call('EXISTS', ns .. ':evid') == 0 then
     local t = redis.call('TIME')
     redis.call('SET', ns .. ':evid', t[1] .. '.' .. t[2] .. '.' .. seq)
   end
-  redis.call('XADD', ns .. ':ev', 'MAXLEN', '~', '%d', '0-' .. seq,
+  redis.call('XADD', ns .. ':ev', 'MAXLEN', '~', '{max_len}', '0-' .. seq,
     'o', op, 'r', rid, 'a', a or '', 'b', b or '')
   return seq
 end
@@ -32,13 +31,13 @@ local function emit_load(ns, rid)
     rid .. ':decode')
   return emit(ns, 'load', rid, (v[1] or 0) .. ':' .. (v[2] or 0) .. ':' .. (v[3] or 0))
 end
-"""
-    % EVENTS_MAX_LEN
-)
+""".replace("{max_len}", str(EVENTS_MAX_LEN))
 
 # Shared by the scripts: drop everything of replica ``rid``: its blocks, predicted blocks,
 # footprint, stats, bookings and load.
-PURGE = EMIT + """
+PURGE = (
+    EMIT
+    + """
 local function purge(ns, rid)
   local rkey, pr = ns .. ':r:' .. rid, ns .. ':pr:' .. rid
   local blocks = redis.call('SMEMBERS', rkey)
@@ -53,6 +52,7 @@ local function purge(ns, rid)
   return #blocks
 end
 """
+)
 
 # Shared: the server's clock in ms (bookings and predictions expire by it, whoever writes).
 NOW = """

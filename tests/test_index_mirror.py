@@ -1,0 +1,222 @@
+"""A router's mirror of the index (``kvindex.mirror``) answers what Redis answers: after
+random publish/evict/replace/deregister/reap sequences with bookings and predictions, after
+a dropped connection, after Redis restarted empty and rebuilt, after the log was trimmed
+past it, with two mirrors following at once; and a routing decision from the mirror is the
+decision from Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import time
+
+import pytest
+import redis
+
+from kvindex.config import IndexConfig
+from kvindex.hashing import BlockHasher
+from kvindex.mirror import IndexMirror
+from kvindex.mirror_state import MirrorState
+from kvindex.reader import IndexReader
+from kvindex.records import Booking, RoutingRequest
+from kvindex.writer import IndexWriter
+from router.config import make_policy, routing_config
+from router.core import RoutingCore
+
+MODEL = "mirror-model"
+CHAINS = [BlockHasher(16, MODEL).chain([k] * 4 + list(range(k, k + 12 * 16))) for k in range(6)]
+CHAINS += [CHAINS[0][:3] + c[3:] for c in CHAINS[1:3]]  # prompts sharing a head
+
+
+class Index:
+    def __init__(self, url: str, cluster: str = "mirror") -> None:
+        self.config = IndexConfig(url=url, cluster=cluster, heartbeat_ttl_s=30.0)
+        self.writer = IndexWriter(self.config, MODEL)
+        self.reader = IndexReader(self.config, MODEL)
+        self.client = redis.Redis.from_url(url)
+        self.loop = asyncio.new_event_loop()
+
+    def mirror(self, start: bool = False) -> IndexMirror:
+        """A mirror that has taken its snapshot (predictions are followed from then on)."""
+        mirror = IndexMirror(self.config, MODEL, block_ms=10, live_poll_s=0.0)
+        return mirror.start() if start else caught_up(mirror, self)
+
+    def last_seq(self) -> int:
+        return int(self.client.get(f"{self.writer.namespace}:evseq") or 0)
+
+    def book(self, booking: Booking, predict_ttl_s: float = 30.0) -> None:
+        self.loop.run_until_complete(self.reader.abook(booking, predict_ttl_s, 60.0))
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+
+def caught_up(mirror: IndexMirror, index: Index) -> IndexMirror:
+    """Step the mirror until it has applied every event and polled liveness since."""
+    target = index.last_seq()
+    deadline = time.monotonic() + 10
+    while True:
+        mirror.step()
+        if mirror.seq >= target and mirror.synced():
+            mirror.step()  # a liveness poll after the last event
+            return mirror
+        assert time.monotonic() < deadline, (mirror.seq, target)
+
+
+def assert_same(mirror: IndexMirror, index: Index) -> None:
+    for chain in CHAINS + [CHAINS[0][:1], []]:
+        assert mirror.query(chain) == index.reader.query(chain), chain[:1]
+    mirror.state.check()
+
+
+def random_changes(index: Index, rng: random.Random, steps: int) -> None:
+    """Registrations, publishes, evictions, resyncs, deregistrations, reaps, bookings,
+    first tokens and releases, in random order."""
+    w = index.writer
+    epochs: dict[str, str] = {}
+    for _ in range(steps):
+        rid = f"r{rng.randrange(5)}"
+        op = rng.random()
+        if rid not in epochs or op < 0.05:
+            epochs[rid] = f"e{rng.randrange(3)}"
+            w.register(rid, epochs[rid])
+        elif op < 0.45:
+            chain = rng.choice(CHAINS)
+            w.publish(rid, epochs[rid], chain[: rng.randrange(1, len(chain))])
+        elif op < 0.6:
+            w.publish(rid, epochs[rid], [], rng.choice(CHAINS)[rng.randrange(6) :])
+        elif op < 0.65:
+            w.publish(rid, epochs[rid], rng.choice(CHAINS)[:4], replace=True)
+        elif op < 0.7:
+            w.deregister(rid, epochs.pop(rid))
+        elif op < 0.85:
+            chain = rng.choice(CHAINS)
+            index.book(Booking(rid, f"q{rng.randrange(8)}", rng.randrange(200), 3, chain[:5]))
+        elif op < 0.93:
+            index.run(index.reader.aprefill_done(rid, f"q{rng.randrange(8)}"))
+        else:
+            index.run(index.reader.arelease(rid, f"q{rng.randrange(8)}"))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_mirror_answers_what_redis_answers_after_random_changes(fresh_redis, seed) -> None:
+    index = Index(fresh_redis.url)
+    mirror = index.mirror()
+    rng = random.Random(seed)
+    for _ in range(6):
+        random_changes(index, rng, 40)
+        caught_up(mirror, index)
+        assert_same(mirror, index)
+    assert_same(index.mirror(), index)  # a mirror that starts now: a snapshot, no history
+    assert mirror.counters.resyncs == 1 and mirror.counters.gaps == 0
+
+
+def test_a_dead_replica_drops_out_with_its_heartbeat_and_its_blocks_with_the_reap(
+    fresh_redis,
+) -> None:
+    index = Index(fresh_redis.url)
+    short = IndexConfig(url=fresh_redis.url, cluster="mirror", heartbeat_ttl_s=1.5)
+    IndexWriter(short, MODEL).register("dying", "e")
+    index.writer.register("alive", "e")
+    for rid in ("dying", "alive"):
+        IndexWriter(short, MODEL).publish(rid, "e", CHAINS[0])
+    mirror = index.mirror()
+    caught_up(mirror, index)
+    assert set(mirror.query(CHAINS[0])) == {"dying", "alive"}
+    time.sleep(1.6)
+    caught_up(mirror, index)
+    assert set(mirror.query(CHAINS[0])) == {"alive"} == set(index.reader.query(CHAINS[0]))
+    assert index.writer.reap() == 1
+    caught_up(mirror, index)
+    assert "dying" not in mirror.state.blocks_of
+    assert_same(mirror, index)
+
+
+def test_two_mirrors_following_at_once_converge(fresh_redis) -> None:
+    index = Index(fresh_redis.url)
+    mirrors = [index.mirror(start=True), index.mirror(start=True)]
+    try:
+        random_changes(index, random.Random(7), 150)
+        seq = index.last_seq()
+        for mirror in mirrors:
+            assert mirror.wait_for(seq)
+        time.sleep(0.1)  # a liveness poll after the last event
+        for mirror in mirrors:
+            assert_same(mirror, index)
+    finally:
+        for mirror in mirrors:
+            mirror.stop()
+
+
+def test_a_dropped_connection_costs_no_resync(fresh_redis) -> None:
+    index = Index(fresh_redis.url)
+    mirror = index.mirror()
+    random_changes(index, random.Random(4), 30)
+    caught_up(mirror, index)
+    assert index.client.client_kill_filter(_id=mirror._redis.client_id()) == 1  # the mirror's
+    random_changes(index, random.Random(5), 30)
+    with contextlib.suppress(redis.ConnectionError):
+        mirror.step()  # a cut connection: redis-py reconnects, or the step fails once
+    caught_up(mirror, index)
+    assert_same(mirror, index)
+    assert mirror.counters.resyncs == 1
+
+
+def test_redis_restarted_empty_and_rebuilt(fresh_redis) -> None:
+    index = Index(fresh_redis.url)
+    mirror = index.mirror()
+    random_changes(index, random.Random(6), 60)
+    caught_up(mirror, index)
+    fresh_redis.stop()
+    fresh_redis.start()  # empty, on the same port
+    assert mirror.query(CHAINS[0])  # stale, but not stale for long yet
+    for _ in range(3):
+        with contextlib.suppress(redis.ConnectionError):
+            mirror.step()  # the old connection
+    index = Index(fresh_redis.url)
+    caught_up(mirror, index)
+    assert mirror.query(CHAINS[0]) == {} and mirror.counters.restarts == 1
+    random_changes(index, random.Random(8), 60)  # the replicas register and publish again
+    caught_up(mirror, index)
+    assert_same(mirror, index)
+
+
+def test_a_mirror_that_fell_behind_the_trimmed_log_resyncs(fresh_redis) -> None:
+    index = Index(fresh_redis.url)
+    mirror = index.mirror()
+    random_changes(index, random.Random(9), 30)
+    caught_up(mirror, index)
+    random_changes(index, random.Random(10), 30)
+    index.client.xtrim(f"{index.writer.namespace}:ev", maxlen=2)  # what it had not read
+    caught_up(mirror, index)
+    assert mirror.counters.gaps == 1 and mirror.counters.resyncs == 2
+    assert_same(mirror, index)
+
+
+def test_a_decision_from_the_mirror_is_the_decision_from_redis(fresh_redis) -> None:
+    index = Index(fresh_redis.url)
+    mirror = index.mirror()
+    random_changes(index, random.Random(11), 120)
+    caught_up(mirror, index)
+    replicas = sorted(index.reader.live_replicas())
+    policy = routing_config(policy="prefill_cost")
+    for i, chain in enumerate(CHAINS):
+        request = RoutingRequest(f"d{i}", chain, chain[0], len(chain) * 16 + 5, 16, 32)
+        decisions = []
+        for answer in (index.reader.query(chain), mirror.query(chain)):
+            core = RoutingCore(make_policy(policy))
+            decisions.append(core.decide(request, core.states(replicas, answer, chain)))
+        assert decisions[0] == decisions[1]
+
+
+def test_mirror_state_slots_are_reused_only_after_a_purge() -> None:
+    state = MirrorState()
+    block = os.urandom(16)
+    state.add("a", [block])
+    state.apply({b"o": b"dereg", b"r": b"a", b"a": b"", b"b": b""})
+    state.add("b", [os.urandom(16)])  # takes a's slot, which holds nothing any more
+    state.set_live(["b"])
+    assert state.answer([block], 0.0)["b"].cached_blocks == 0
+    state.check()
