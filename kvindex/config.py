@@ -31,3 +31,8 @@ class IndexConfig(BaseModel):
     max_pending_hashes: int = Field(
         65_536, gt=0, description="unsent changes kept before falling back to a resync"
     )
+    mirror: bool = Field(
+        True,
+        description="routers keep a live copy of the index (kvindex.mirror) and decide "
+        "from it, with no Redis round trip on the request path; off: one query per decision",
+    )

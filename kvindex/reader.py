@@ -100,8 +100,9 @@ class IndexReader:
             return self._failed()
         return self._answered(flat)
 
-    async def abook(self, booking: Booking, predict_ttl_s: float, booking_ttl_s: float) -> bool:
-        """Book a routed request on its replica; False if Redis did not take it."""
+    async def abook(self, booking: Booking, predict_ttl_s: float, booking_ttl_s: float) -> int:
+        """Book a routed request on its replica: the log's sequence number of the booking
+        (a mirror includes it once it has applied that event), 0 if Redis did not take it."""
         args = (
             booking.replica_id,
             booking.request_id,
@@ -113,11 +114,20 @@ class IndexReader:
         )
         return await self._awrite("book", *args)
 
-    async def aprefill_done(self, replica_id: str, request_id: str) -> bool:
+    async def _awrite(self, name: str, *args: object) -> int:
+        try:
+            reply = await self._ascripts[name](args=[self.namespace, *args])
+        except (redis.RedisError, OSError):
+            with self._lock:
+                self.counters.booking_failures += 1
+            return 0
+        return max(1, int(reply or 0))
+
+    async def aprefill_done(self, replica_id: str, request_id: str) -> int:
         """A booked request's prompt is computed (its first token came)."""
         return await self._awrite("prefill_done", replica_id, request_id)
 
-    async def arelease(self, replica_id: str, request_id: str) -> bool:
+    async def arelease(self, replica_id: str, request_id: str) -> int:
         """A booked request is over."""
         return await self._awrite("release", replica_id, request_id)
 
@@ -155,15 +165,6 @@ class IndexReader:
 
     async def aclose(self) -> None:
         await self._aredis.aclose()
-
-    async def _awrite(self, name: str, *args: object) -> bool:
-        try:
-            await self._ascripts[name](args=[self.namespace, *args])
-        except (redis.RedisError, OSError):
-            with self._lock:
-                self.counters.booking_failures += 1
-            return False
-        return True
 
     def _may_ask(self) -> bool:
         with self._lock:

@@ -2,8 +2,10 @@
 
 Selected by the engine deployment's ``request_router_config``; Serve runs it inside each
 caller's process (the ingress), one instance per handle. For each request it takes the
-``RoutingRequest`` the ingress put on the ``EngineRequest``, asks the index in one round trip
-what every live replica holds of it and what is booked there, and lets the routing core rank
+``RoutingRequest`` the ingress put on the ``EngineRequest``, asks the index what every live
+replica holds of it and what is booked there (``index.mirror``: its live copy of the index,
+in memory, ``kvindex.mirror``; else, or while the copy is not synced, Redis in one round
+trip), and lets the routing core rank
 the replicas; it returns one rank per replica, so a full first choice spills over to the next
 instead of queueing. Every decision is booked in the core and, asynchronously, in Redis for
 the other ingress replicas; the ingress reports first tokens through ``router.link``. While
@@ -16,6 +18,7 @@ Serve pickles this module by value: state shared with the ingress is reached as
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import time
 from dataclasses import asdict
@@ -24,8 +27,9 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kvindex.config import IndexConfig
+from kvindex.mirror import IndexMirror
 from kvindex.pulls import PullConfig
-from kvindex.reader import IndexReader
+from kvindex.reader import Answer, IndexReader
 from kvindex.records import Booking, RoutingRequest
 from router import link, routing_stats
 from router.config import ServedPolicy, make_policy, routing_config
@@ -49,7 +53,12 @@ class PrefixAwareRequestRouter(RequestRouter):
         self.config: ServedPolicy = routing_config(**(routing or {}))  # type: ignore[assignment]
         pulls = PullConfig.model_validate(pull or {})
         self.core = RoutingCore(make_policy(self.config, pulls), RecentRoutes(), pulls)
-        self.index = IndexReader(IndexConfig.model_validate(index or {}), model_id)
+        index_config = IndexConfig.model_validate(index or {})
+        self.index = IndexReader(index_config, model_id)
+        # the index as this router follows it: decisions read memory, not Redis
+        self.mirror = IndexMirror(index_config, model_id).start() if index_config.mirror else None
+        self._unacknowledged: list[tuple[int, str]] = []  # (log seq, request) booked
+        self._mirror_resyncs = 0
         self.stats = routing_stats.RouterStats(self.config.policy)
         self._decisions: dict[str, Decision] = {}  # request -> its decision, until routed
         self._requests: dict[str, str] = {}  # Serve's internal request id -> ours
@@ -73,11 +82,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             return [candidate_replicas]
         start = time.perf_counter()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        answer = None
-        if self.core.policy.uses_index:
-            answer = await self.index.aquery(request.block_hashes)
-            outcome = "unknown" if answer is None else "answered"
-            routing_stats.INDEX_ANSWERS.labels(outcome).inc()
+        answer = await self._answer(request) if self.core.policy.uses_index else None
         queued = {
             r.replica_id.unique_id: self.replica_queue_len_cache.get(r.replica_id) or 0
             for r in candidate_replicas
@@ -119,6 +124,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         return {
             **self.stats.snapshot(replicas),
             "index": asdict(self.index.counters),
+            "mirror": asdict(self.mirror.counters) if self.mirror is not None else None,
             "bookings_in_flight": len(self.core.bookings),
         }
 
@@ -135,10 +141,41 @@ class PrefixAwareRequestRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         self.core.drop_replica(replica_id.unique_id)  # Redis purges it when reaped
 
+    async def _answer(self, request: RoutingRequest) -> Answer | None:
+        """The index's answer: the mirror's, with the bookings it has applied acknowledged
+        (so they are not counted twice); Redis's while the mirror is not synced."""
+        answer = None
+        if self.mirror is not None:
+            answer = self.mirror.query(request.block_hashes)
+            self._acknowledge_applied(everything=answer is None)
+            outcome = "mirror"
+        if answer is None:
+            answer = await self.index.aquery(request.block_hashes)
+            outcome = "answered"
+        routing_stats.INDEX_ANSWERS.labels("unknown" if answer is None else outcome).inc()
+        return answer
+
+    def _acknowledge_applied(self, everything: bool) -> None:
+        """Bookings the mirror has applied; ``everything`` (Redis answers instead, or the
+        mirror took a new snapshot, which holds them): all of them."""
+        assert self.mirror is not None
+        resyncs = self.mirror.counters.resyncs
+        everything = everything or resyncs != self._mirror_resyncs
+        self._mirror_resyncs = resyncs
+        seen = self.mirror.seq
+        pending = self._unacknowledged
+        while pending and (everything or pending[0][0] <= seen):
+            self.core.acknowledged(heapq.heappop(pending)[1])
+
     async def _book(self, booking: Booking) -> None:
         cfg = self.config
-        if await self.index.abook(booking, cfg.predict_ttl_s, cfg.booking_ttl_s):
+        seq = await self.index.abook(booking, cfg.predict_ttl_s, cfg.booking_ttl_s)
+        if not seq:
+            return
+        if self.mirror is None:
             self.core.acknowledged(booking.request_id)
+        else:  # in Redis's answers now, in the mirror's once it applies the event
+            heapq.heappush(self._unacknowledged, (seq, booking.request_id))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
