@@ -17,6 +17,7 @@ from typing import Any
 
 import redis
 
+from bench.harness.mirror_scale import measure_mirror
 from kvindex.config import IndexConfig
 from kvindex.hashing import BlockHasher
 from kvindex.reader import IndexReader
@@ -113,6 +114,7 @@ def measure_scale(url: str, n: int, args: Any) -> dict[str, Any]:
     loop = asyncio.new_event_loop()  # one loop: the async client's connections live on it
     route = _timed(client, 100, lambda: loop.run_until_complete(_book_cycle(reader, booking)))
     loop.close()
+    mirrored = measure_mirror(url, config, chains, n, args)
     for r in range(n):
         writer.deregister(f"replica-{r}", "epoch-1")
     writer.close()
@@ -133,6 +135,7 @@ def measure_scale(url: str, n: int, args: Any) -> dict[str, Any]:
         "heartbeats_per_s": beats_per_s,
         "heartbeat_share_of_redis": beats_per_s * beat["redis_us"] / 1e6,
         "max_routed_requests_per_s": 1e6 / per_request_us if per_request_us else None,
+        **mirrored,  # routing from a mirror: decision_p50_ms, decision_p99_ms, routed_per_s
     }
 
 
