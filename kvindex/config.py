@@ -34,5 +34,9 @@ class IndexConfig(BaseModel):
     mirror: bool = Field(
         True,
         description="routers keep a live copy of the index (kvindex.mirror) and decide "
-        "from it, with no Redis round trip on the request path; off: one query per decision",
+        "from it, with no Redis round trip on the request path, and share their bookings "
+        "every share_interval_s; off: one query and three booking scripts per request",
+    )
+    share_interval_s: float = Field(
+        0.02, gt=0, description="with mirror: how often a router shares its bookings"
     )

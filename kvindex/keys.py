@@ -24,6 +24,9 @@
     {ns}:evseq             STRING the log's last sequence number
     {ns}:evid              STRING the log's name: set by its first event, so a fresh Redis
                                   (a restart) starts a log of another name
+    {ns}:routers           HASH   router id -> when its shared bookings lapse (ms)
+    {ns}:rl:<router>       STRING a mirroring router's shared bookings, "expiry|replica:
+                                  prefill:active:decode,...", with that TTL
 
 The Lua scripts (``kvindex.scripts``) build these names themselves; the few keys Python reads
 directly are built here. Only hashes are stored, never tokens or text; with a cluster secret

@@ -56,6 +56,7 @@ class IndexMirror:
         config: IndexConfig,
         model_id: str,
         block_ms: int = 50,
+        router_id: str | None = None,
         live_poll_s: float | None = None,
         stale_after_s: float | None = None,
     ) -> None:
@@ -73,7 +74,8 @@ class IndexMirror:
         self.live_poll_s = config.heartbeat_interval_s if live_poll_s is None else live_poll_s
         self.stale_after_s = config.heartbeat_ttl_s if stale_after_s is None else stale_after_s
         self.counters = MirrorCounters()
-        self.state = MirrorState()
+        self.router_id = router_id  # its own shared bookings are left out of its answers
+        self.state = MirrorState(router_id)
         self._lock = threading.Lock()
         self._log_id: str | None = None  # None: not synced
         self._heard = 0.0  # monotonic time of the last answer from Redis
@@ -129,9 +131,9 @@ class IndexMirror:
 
     def resync(self) -> None:
         """A fresh snapshot, swapped in whole."""
-        log_id, seq, registry, loads = self._snapshot(args=[self.namespace])
+        log_id, seq, registry, loads, shares = self._snapshot(args=[self.namespace])
         registry = _pairs(registry)
-        fresh = MirrorState()
+        fresh = MirrorState(self.router_id)
         fresh.seq = int(seq)
         pipe = self._redis.pipeline(transaction=False)
         rids = list(registry)
@@ -147,6 +149,8 @@ class IndexMirror:
         for field, value in _pairs(loads).items():
             rid, _, name = field.rpartition(":")
             fresh.set_load_field(rid, name, int(value))
+        for router, payload in _pairs(shares).items():
+            fresh.share(router, payload.encode())
         with self._lock:
             self.state = fresh
             self._log_id = _text(log_id)
@@ -168,6 +172,9 @@ class IndexMirror:
         self._clock_offset_ms = redis_ms - (sent + time.time() * 1000) / 2
         with self._lock:
             self.state.set_live([_text(r) for r in live])
+            now_ms = redis_ms  # what expires, expires by Redis's clock
+            self.state.expire_shares(now_ms)
+            self.state.expire_predictions(now_ms)
         self._heard = time.monotonic()
         self._next_live = self._heard + self.live_poll_s
 

@@ -19,8 +19,13 @@ LOAD_FIELDS = ("prefill", "active", "decode")
 
 
 class MirrorState:
-    def __init__(self) -> None:
+    def __init__(self, own_router: str | None = None) -> None:
         self.seq = 0  # the last event applied
+        # routers' shared bookings (``SHARE``): each one's latest, and their sum per replica;
+        # this router's own are left out (it adds its own bookings, fresher, itself)
+        self.own_router = own_router
+        self.shares: dict[str, tuple[float, dict[str, list[int]]]] = {}
+        self.shared: dict[str, list[int]] = {}
         self.epochs: dict[str, str] = {}
         self.holders: dict[bytes, int] = {}  # block -> bitmask of replica slots
         self.blocks_of: dict[str, set[bytes]] = {}
@@ -47,6 +52,8 @@ class MirrorState:
             self._slot_of(rid)
         elif op == b"pred":
             self.predict(rid, float(a), _split(fields[b"b"]))
+        elif op == b"share":
+            self.share(rid, a)
         elif op == b"purge":
             self.purge(rid)
         elif op == b"reg":
@@ -97,6 +104,36 @@ class MirrorState:
                 self.predicted.pop(block, None)
         self.loads.pop(rid, None)
 
+    def share(self, router: str, payload: bytes) -> None:
+        """A router's shared bookings (``expiry|replica:prefill:active:decode,...``),
+        replacing its last ones."""
+        if router == self.own_router:
+            return
+        expiry, _, body = payload.partition(b"|")
+        totals = {}
+        for item in body.decode().split(",") if body else ():
+            rid, *values = item.rsplit(":", 3)
+            totals[rid] = [int(v) for v in values]
+        self._unshare(router)
+        self.shares[router] = (float(expiry), totals)
+        for rid, values in totals.items():
+            current = self.shared.setdefault(rid, [0, 0, 0])
+            for i, v in enumerate(values):
+                current[i] += v
+
+    def expire_shares(self, now_ms: float) -> None:
+        for router in [r for r, (expiry, _) in self.shares.items() if expiry <= now_ms]:
+            self._unshare(router)
+
+    def _unshare(self, router: str) -> None:
+        _, old = self.shares.pop(router, (0.0, {}))
+        for rid, values in old.items():
+            current = self.shared[rid]
+            for i, v in enumerate(values):
+                current[i] -= v
+            if not any(current):
+                del self.shared[rid]
+
     def set_load_field(self, rid: str, name: str, value: int) -> None:
         self.loads.setdefault(rid, [0, 0, 0])[LOAD_FIELDS.index(name)] = value
         self._slot_of(rid)
@@ -122,6 +159,13 @@ class MirrorState:
         answer = {}
         for rid in self.live:
             prefill, active, decode = self.loads.get(rid, (0, 0, 0))
+            if rid in self.shared:
+                shared = self.shared[rid]
+                prefill, active, decode = (
+                    prefill + shared[0],
+                    active + shared[1],
+                    decode + shared[2],
+                )
             answer[rid] = ReplicaState(
                 rid,
                 in_flight=active,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +68,7 @@ class IndexReader:
                 ("book", scripts.BOOK),
                 ("prefill_done", scripts.PREFILL_DONE),
                 ("release", scripts.RELEASE),
+                ("share", scripts.SHARE),
             )
         }
         self.counters = IndexCounters()
@@ -113,6 +114,23 @@ class IndexReader:
             *booking.block_hashes,
         )
         return await self._awrite("book", *args)
+
+    async def ashare(
+        self,
+        router_id: str,
+        ttl_s: float,
+        totals: Mapping[str, tuple[int, int, int]],
+        predictions: Sequence[tuple[str, Sequence[bytes]]],
+        predict_ttl_s: float,
+    ) -> int:
+        """A mirroring router's bookings (its totals per replica: prefill tokens, requests,
+        decode blocks) and the prompts it sent where since its last share; the log's
+        sequence number of the last event, 0 if Redis did not take it."""
+        body = ",".join(f"{rid}:{p}:{a}:{d}" for rid, (p, a, d) in totals.items() if p or a or d)
+        args: list[object] = [router_id, int(ttl_s * 1000), body, int(predict_ttl_s * 1000)]
+        for rid, hashes in predictions:
+            args += [rid, b"".join(hashes)]
+        return await self._awrite("share", *args)
 
     async def _awrite(self, name: str, *args: object) -> int:
         try:

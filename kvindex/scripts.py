@@ -341,17 +341,49 @@ return reaped
 )
 
 
+# ARGV: ns, router, ttl ms, totals ("replica:prefill:active:decode,..."), predict ttl ms,
+# then pairs: replica, hashes (concatenated). A router that routes from a mirror shares
+# its bookings this way, a few times a second, instead of one booking script per request:
+# its whole totals (they replace its last ones; they lapse after the ttl unless renewed)
+# and the prompts it sent where since (predicted held there until the predict ttl).
+SHARE = (
+    NOW
+    + EMIT
+    + """
+local ns, router, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local now = now_ms()
+local payload = string.format('%d', now + ttl) .. '|' .. ARGV[4]
+redis.call('SET', ns .. ':rl:' .. router, payload, 'PX', ttl)
+local routers = redis.call('HGETALL', ns .. ':routers')
+for i = 1, #routers, 2 do
+  if tonumber(routers[i + 1]) < now then redis.call('HDEL', ns .. ':routers', routers[i]) end
+end
+redis.call('HSET', ns .. ':routers', router, now + ttl)
+local seq = emit(ns, 'share', router, payload)
+local expiry = string.format('%d', now + tonumber(ARGV[5]))
+for i = 6, #ARGV - 1, 2 do seq = emit(ns, 'pred', ARGV[i], expiry, ARGV[i + 1]) end
+return seq
+"""
+)
+
 # ARGV: ns. What a mirror starts from (``kvindex.mirror``), read at one instant: the log's
-# name and last sequence number, the registry (id, epoch, ...) and the loads hash. The
-# blocks are read after, replica by replica (set operations: replaying the log from this
-# sequence number on makes them exact whatever the interleaving).
+# name and last sequence number, the registry (id, epoch, ...), the loads hash and the
+# routers' shared bookings (router, payload, ...). The blocks are read after, replica by
+# replica (set operations: replaying the log from this sequence number on makes them exact
+# whatever the interleaving).
 SNAPSHOT = """
 local ns = ARGV[1]
+local shares = {}
+for _, router in ipairs(redis.call('HKEYS', ns .. ':routers')) do
+  local payload = redis.call('GET', ns .. ':rl:' .. router)
+  if payload then shares[#shares + 1] = router; shares[#shares + 1] = payload end
+end
 return {
   redis.call('GET', ns .. ':evid') or '',
   redis.call('GET', ns .. ':evseq') or '0',
   redis.call('HGETALL', ns .. ':replicas'),
   redis.call('HGETALL', ns .. ':loads'),
+  shares,
 }
 """
 

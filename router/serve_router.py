@@ -3,13 +3,17 @@
 Selected by the engine deployment's ``request_router_config``; Serve runs it inside each
 caller's process (the ingress), one instance per handle. For each request it takes the
 ``RoutingRequest`` the ingress put on the ``EngineRequest``, asks the index what every live
-replica holds of it and what is booked there (``index.mirror``: its live copy of the index,
-in memory, ``kvindex.mirror``; else, or while the copy is not synced, Redis in one round
-trip), and lets the routing core rank
-the replicas; it returns one rank per replica, so a full first choice spills over to the next
-instead of queueing. Every decision is booked in the core and, asynchronously, in Redis for
-the other ingress replicas; the ingress reports first tokens through ``router.link``. While
-Redis is unreachable the core decides with this router's own bookings and recent routes.
+replica holds of it and what is booked there, and lets the routing core rank the replicas;
+it returns one rank per replica, so a full first choice spills over to the next instead of
+queueing. Every decision is booked in the core and shared with the other ingress replicas'
+routers; the ingress reports first tokens through ``router.link``.
+
+With ``index.mirror`` (the default) the index is this router's live copy of it
+(``kvindex.mirror``): a decision reads memory, and the bookings go to Redis as one share of
+this router's totals every ``share_interval_s`` (``IndexReader.ashare``), which the other
+routers' mirrors add up. Without it, or while the copy is not synced, one query per decision
+and one booking script per booked change go to Redis. While Redis is unreachable the core
+decides with this router's own bookings and recent routes.
 
 Serve pickles this module by value: state shared with the ingress is reached as
 ``link.LINK`` (module attribute access), never imported by name.
@@ -18,9 +22,9 @@ Serve pickles this module by value: state shared with the ingress is reached as
 from __future__ import annotations
 
 import asyncio
-import heapq
 import logging
 import time
+import uuid
 from dataclasses import asdict
 from typing import Any
 
@@ -53,12 +57,17 @@ class PrefixAwareRequestRouter(RequestRouter):
         self.config: ServedPolicy = routing_config(**(routing or {}))  # type: ignore[assignment]
         pulls = PullConfig.model_validate(pull or {})
         self.core = RoutingCore(make_policy(self.config, pulls), RecentRoutes(), pulls)
-        index_config = IndexConfig.model_validate(index or {})
+        self.index_config = index_config = IndexConfig.model_validate(index or {})
         self.index = IndexReader(index_config, model_id)
-        # the index as this router follows it: decisions read memory, not Redis
-        self.mirror = IndexMirror(index_config, model_id).start() if index_config.mirror else None
-        self._unacknowledged: list[tuple[int, str]] = []  # (log seq, request) booked
-        self._mirror_resyncs = 0
+        # the index as this router follows it: decisions read memory, not Redis, and the
+        # bookings go out as one share every share_interval_s (``IndexReader.ashare``)
+        self.router_id = uuid.uuid4().hex[:12]
+        self.mirror = None
+        if index_config.mirror:
+            self.mirror = IndexMirror(index_config, model_id, router_id=self.router_id).start()
+        self._predictions: list[tuple[str, tuple[bytes, ...]]] = []  # routed since the share
+        self._share_due = True
+        self._share_task: asyncio.Task[Any] | None = None
         self.stats = routing_stats.RouterStats(self.config.policy)
         self._decisions: dict[str, Decision] = {}  # request -> its decision, until routed
         self._requests: dict[str, str] = {}  # Serve's internal request id -> ours
@@ -106,13 +115,19 @@ class PrefixAwareRequestRouter(RequestRouter):
         if decision is None:
             return
         self._requests[pending_request.metadata.internal_request_id] = request.request_id
-        self._spawn(self._book(self.core.routed(decision, rid)))
+        booking = self.core.routed(decision, rid)
+        if self.mirror is None:
+            self._spawn(self._book(booking))
+        else:  # shared at the next share; its prompt predicted held there (as a booking does)
+            self._predictions.append((rid, tuple(booking.block_hashes)))
+            self._share_due = True
 
     def prefill_done(self, request_id: str) -> None:
         """The ingress saw the request's first token: its prompt no longer loads the replica."""
         booking = self.core.prefill_done(request_id)
-        if booking is not None:
+        if booking is not None and self.mirror is None:
             self._spawn(self.index.aprefill_done(booking.replica_id, request_id))
+        self._share_due = True
 
     def reason(self, request_id: str) -> str | None:
         return self.stats.reason(request_id)
@@ -134,8 +149,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         if request_id is None:
             return
         booking = self.core.release(request_id, replica_id.unique_id)
-        if booking is not None:
+        if booking is not None and self.mirror is None:
             self._spawn(self.index.arelease(booking.replica_id, request_id))
+        self._share_due = True
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -146,8 +162,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         (so they are not counted twice); Redis's while the mirror is not synced."""
         answer = None
         if self.mirror is not None:
+            if self._share_task is None:  # on the router's loop, from its first decision
+                self._share_task = asyncio.get_running_loop().create_task(self._share_loop())
             answer = self.mirror.query(request.block_hashes)
-            self._acknowledge_applied(everything=answer is None)
             outcome = "mirror"
         if answer is None:
             answer = await self.index.aquery(request.block_hashes)
@@ -155,27 +172,32 @@ class PrefixAwareRequestRouter(RequestRouter):
         routing_stats.INDEX_ANSWERS.labels("unknown" if answer is None else outcome).inc()
         return answer
 
-    def _acknowledge_applied(self, everything: bool) -> None:
-        """Bookings the mirror has applied; ``everything`` (Redis answers instead, or the
-        mirror took a new snapshot, which holds them): all of them."""
-        assert self.mirror is not None
-        resyncs = self.mirror.counters.resyncs
-        everything = everything or resyncs != self._mirror_resyncs
-        self._mirror_resyncs = resyncs
-        seen = self.mirror.seq
-        pending = self._unacknowledged
-        while pending and (everything or pending[0][0] <= seen):
-            self.core.acknowledged(heapq.heappop(pending)[1])
-
     async def _book(self, booking: Booking) -> None:
         cfg = self.config
-        seq = await self.index.abook(booking, cfg.predict_ttl_s, cfg.booking_ttl_s)
-        if not seq:
-            return
-        if self.mirror is None:
+        if await self.index.abook(booking, cfg.predict_ttl_s, cfg.booking_ttl_s):
             self.core.acknowledged(booking.request_id)
-        else:  # in Redis's answers now, in the mirror's once it applies the event
-            heapq.heappush(self._unacknowledged, (seq, booking.request_id))
+
+    async def _share_loop(self) -> None:
+        """Share this router's bookings when they changed, and at least every heartbeat
+        interval (others drop them after ``heartbeat_ttl_s``); never raises."""
+        cfg = self.index_config
+        last = 0.0
+        while True:
+            await asyncio.sleep(cfg.share_interval_s)
+            now = time.monotonic()
+            if self._share_due or now - last >= cfg.heartbeat_interval_s:
+                last = now if await self.share() else last
+
+    async def share(self) -> int:
+        """Share this router's bookings now: the log's sequence number, 0 if not taken."""
+        load = self.core.bookings.totals()
+        totals = {r: (v.prefill_tokens, v.in_flight, v.decode_blocks) for r, v in load.items()}
+        predictions, self._predictions = self._predictions, []
+        self._share_due = False
+        ttl = self.index_config.heartbeat_ttl_s
+        return await self.index.ashare(
+            self.router_id, ttl, totals, predictions, self.config.predict_ttl_s
+        )
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

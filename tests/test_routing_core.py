@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from conftest import tiny
 
 from bench.harness.redis_server import LocalRedis
@@ -83,8 +84,8 @@ class Unserved(PrefixAwareRequestRouter):
     _replicas: dict = {}  # noqa: RUF012
 
 
-def serve_side(redis: LocalRedis, cluster: str) -> Recorder:
-    index = IndexConfig(url=redis.url, cluster=cluster)
+def serve_side(redis: LocalRedis, cluster: str, mirror: bool) -> Recorder:
+    index = IndexConfig(url=redis.url, cluster=cluster, mirror=mirror)
     writer = IndexWriter(index, MODEL)
     for rid, tokens in HELD.items():
         writer.register(rid, "e1")
@@ -97,6 +98,8 @@ def serve_side(redis: LocalRedis, cluster: str) -> Recorder:
     candidates = [FakeReplica(FakeId(rid)) for rid in REPLICAS]
 
     async def drive() -> None:
+        if mirror:
+            assert router.mirror.wait_for(0)  # synced: no decision falls back to Redis
         for n, (route, _) in enumerate(requests()):
             pending = SimpleNamespace(
                 args=[SimpleNamespace(route=route)],
@@ -106,6 +109,8 @@ def serve_side(redis: LocalRedis, cluster: str) -> Recorder:
             first = ranked[0][0].replica_id
             router.on_request_routed(pending, first, None)  # type: ignore[arg-type]
             await asyncio.gather(*router._tasks)  # the booking is in Redis before the next
+            if mirror:  # and shared, and in the mirror (the share loop would, within 20 ms)
+                assert router.mirror.wait_for(await router.share())
 
     asyncio.run(drive())
     return recorder
@@ -125,8 +130,9 @@ def sim_side() -> Recorder:
     return recorder
 
 
-def test_the_serve_router_and_the_simulator_make_the_same_decisions(fresh_redis) -> None:
-    serve, sim = serve_side(fresh_redis, "core-test"), sim_side()
+@pytest.mark.parametrize("mirror", [True, False])
+def test_the_serve_router_and_the_simulator_make_the_same_decisions(fresh_redis, mirror) -> None:
+    serve, sim = serve_side(fresh_redis, "core-test", mirror), sim_side()
     assert len(serve.decisions) == len(sim.decisions) == 12
     for ours, theirs in zip(serve.decisions, sim.decisions, strict=True):
         assert ours.ranking == theirs.ranking

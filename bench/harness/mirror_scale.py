@@ -41,7 +41,7 @@ def measure_mirror(
     }
     staleness = _staleness(config, mirror)
     mirror.stop()
-    routed = _routed_with_followers(url, config, chains["tenant"], args.routers)
+    routed = _routed_with_followers(url, config, chains["tenant"], args.routers, n)
     blocks = n * args.blocks_per_replica
     return {
         "decision_p50_ms": decisions["tenant"]["decision_p50_ms"],
@@ -116,49 +116,82 @@ def _staleness(config: IndexConfig, mirror: IndexMirror, repeats: int = 200) -> 
 
 
 def _routed_with_followers(
-    url: str, config: IndexConfig, chain: list[bytes], routers: int, requests: int = 400
+    url: str, config: IndexConfig, chain: list[bytes], routers: int, n: int
 ) -> dict[str, Any]:
-    """Redis time per routed request (book, first token, release) while ``routers``
-    mirrors follow the log; their liveness polls are timed apart (they cost per second,
-    not per request)."""
+    """Redis time per routed request while ``routers`` mirrors follow the log: bookings
+    shared (one ``SHARE`` per router every ``share_interval_s``, at the rate of 10,000
+    routed requests/s over the routers, so ``per_share`` requests each), and, for
+    comparison, written one script per change (``book``, first token, release). The
+    followers' liveness polls are timed apart: they cost per second, not per request."""
     client = redis.Redis.from_url(url)
     mirrors = [IndexMirror(config, MODEL, live_poll_s=3600.0).start() for _ in range(routers)]
     reader = IndexReader(config, MODEL)
     for m in mirrors:
         assert m.wait_for(0, timeout_s=120)
-    seq_before = int(client.get(f"{reader.namespace}:evseq") or 0)
-    client.config_resetstat()
     loop = asyncio.new_event_loop()
-    for i in range(requests):
-        booking = Booking(f"replica-{i % 4}", f"r{i}", 512, 4, tuple(chain))
-        loop.run_until_complete(_book_cycle(reader, booking))
-    seq = int(client.get(f"{reader.namespace}:evseq") or 0)
-    for m in mirrors:
-        assert m.wait_for(seq, timeout_s=120)
-    stats = client.info("commandstats")
-    scripts_us = stats.get("cmdstat_evalsha", {}).get("usec", 0)
-    reads_us = stats.get("cmdstat_xread", {}).get("usec", 0)
+    per_share = max(1, round(10_000 / routers * config.share_interval_s))
+    shared = _redis_time(
+        client, reader, mirrors, 400, lambda k: _share_round(reader, loop, chain, n, k, per_share)
+    )
+    booked = _redis_time(
+        client,
+        reader,
+        mirrors,
+        200,
+        lambda k: loop.run_until_complete(
+            _book_cycle(reader, Booking(f"replica-{k % n}", f"b{k}", 512, 4, tuple(chain)))
+        ),
+    )
     client.config_resetstat()
-    for m in mirrors[:1]:
-        for _ in range(20):
-            m._poll_live()
+    for _ in range(20):
+        mirrors[0]._poll_live()
     live_us = client.info("commandstats").get("cmdstat_evalsha", {}).get("usec", 0) / 20
     loop.close()
     for m in mirrors:
         m.stop()
     reader.close()
-    per_request_us = (scripts_us + reads_us) / requests
     polls_per_s = routers / config.heartbeat_interval_s
+    budget_us = 1e6 - polls_per_s * live_us  # what Redis has left for routing, per second
+    shared["us"] /= per_share
+    shared["events"] /= per_share
     return {
         "routers": routers,
-        "redis_us_per_routed_request": per_request_us,
-        "scripts_us_per_request": scripts_us / requests,
-        "log_reads_us_per_request": reads_us / requests,
-        "events_per_routed_request": (seq - seq_before) / requests,
+        "requests_per_share": per_share,
+        "redis_us_per_routed_request": shared["us"],
+        "events_per_routed_request": shared["events"],
+        "booked_redis_us_per_routed_request": booked["us"],
+        "booked_events_per_routed_request": booked["events"],
         "liveness_poll_us": live_us,
         "liveness_share_of_redis": polls_per_s * live_us / 1e6,
-        "routed_per_s": (1e6 - polls_per_s * live_us) / per_request_us,
+        "routed_per_s": budget_us / shared["us"],
+        "booked_routed_per_s": budget_us / booked["us"],
     }
+
+
+def _redis_time(
+    client: redis.Redis, reader: IndexReader, mirrors: list[IndexMirror], rounds: int, run: Any
+) -> dict[str, float]:
+    """Redis microseconds (scripts and the followers' log reads) and events per round."""
+    seq_key = f"{reader.namespace}:evseq"
+    before = int(client.get(seq_key) or 0)
+    client.config_resetstat()
+    for k in range(rounds):
+        run(k)
+    seq = int(client.get(seq_key) or 0)
+    for m in mirrors:
+        assert m.wait_for(seq, timeout_s=120)
+    stats = client.info("commandstats")
+    used = sum(stats.get(f"cmdstat_{c}", {}).get("usec", 0) for c in ("evalsha", "xread"))
+    return {"us": used / rounds, "events": (seq - before) / rounds}
+
+
+def _share_round(
+    reader: IndexReader, loop: Any, chain: list[bytes], n: int, k: int, per_share: int
+) -> None:
+    """One router's share after ``per_share`` more requests (as many finished meanwhile)."""
+    totals = {f"replica-{r}": (512 * (r % 3), 8 + r % 5, 40 + r % 7) for r in range(min(n, 64))}
+    predictions = [(f"replica-{(k * per_share + i) % n}", chain) for i in range(per_share)]
+    loop.run_until_complete(reader.ashare(f"router-{k % 8}", 3.0, totals, predictions, 5.0))
 
 
 async def _book_cycle(reader: IndexReader, booking: Booking) -> None:
