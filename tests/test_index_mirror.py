@@ -220,3 +220,36 @@ def test_mirror_state_slots_are_reused_only_after_a_purge() -> None:
     state.set_live(["b"])
     assert state.answer([block], 0.0)["b"].cached_blocks == 0
     state.check()
+
+
+def test_routers_see_each_others_shared_bookings_until_they_lapse(fresh_redis) -> None:
+    """Two mirroring routers: each one's answers carry the other's shared load (and the
+    prompts it routed, as predicted), never its own (it adds its own bookings itself); a
+    router that stops sharing drops out after the share's ttl."""
+    index = Index(fresh_redis.url)
+    index.writer.register("r0", "e")
+    index.writer.register("r1", "e")
+    mirrors = {
+        name: caught_up(IndexMirror(index.config, MODEL, 10, name, live_poll_s=0.0), index)
+        for name in ("a", "b")
+    }
+    share = index.reader.ashare("a", 0.5, {"r0": (100, 2, 9)}, [("r1", CHAINS[1][:4])], 30.0)
+    assert index.run(share)
+    for mirror in mirrors.values():
+        caught_up(mirror, index)
+    seen_by_b, seen_by_a = mirrors["b"].query(CHAINS[1]), mirrors["a"].query(CHAINS[1])
+    assert (seen_by_b["r0"].booked_prefill_tokens, seen_by_b["r0"].in_flight) == (100, 2)
+    assert seen_by_b["r0"].booked_decode_blocks == 9
+    assert seen_by_a["r0"].in_flight == 0  # its own: the router counts those itself
+    assert seen_by_a["r1"].predicted_blocks == seen_by_b["r1"].predicted_blocks == 4
+    again = index.reader.ashare("a", 0.5, {"r1": (5, 1, 1)}, [], 30.0)  # replaces the last
+    assert index.run(again)
+    caught_up(mirrors["b"], index)
+    answer = mirrors["b"].query(CHAINS[1])
+    assert (answer["r0"].in_flight, answer["r1"].in_flight) == (0, 1)
+    late = caught_up(IndexMirror(index.config, MODEL, 10, "c", live_poll_s=0.0), index)
+    assert late.query(CHAINS[1])["r1"].in_flight == 1  # a new router's snapshot has it
+    time.sleep(0.6)  # a's share lapses: it stopped sharing (died)
+    for mirror in (mirrors["b"], late):
+        caught_up(mirror, index)
+        assert mirror.query(CHAINS[1])["r1"].in_flight == 0
