@@ -78,6 +78,7 @@ class IndexMirror:
         self.state = MirrorState(router_id)
         self._lock = threading.Lock()
         self._log_id: str | None = None  # None: not synced
+        self._live_known = False
         self._heard = 0.0  # monotonic time of the last answer from Redis
         self._next_live = 0.0
         self._clock_offset_ms = 0.0
@@ -101,7 +102,8 @@ class IndexMirror:
         self._redis.close()
 
     def synced(self) -> bool:
-        return self._log_id is not None and time.monotonic() - self._heard < self.stale_after_s
+        fresh = time.monotonic() - self._heard < self.stale_after_s
+        return self._log_id is not None and self._live_known and fresh
 
     def query(self, block_hashes: Sequence[bytes]) -> Answer | None:
         """``IndexReader.query``'s answer, from memory; None while not synced or stale."""
@@ -154,6 +156,7 @@ class IndexMirror:
         with self._lock:
             self.state = fresh
             self._log_id = _text(log_id)
+            self._live_known = False  # synced once the live set is polled (next)
         self._heard = time.monotonic()
         self._next_live = 0.0
         self.counters.resyncs += 1
@@ -171,6 +174,7 @@ class IndexMirror:
         redis_ms = int(secs) * 1000 + int(usecs) / 1000
         self._clock_offset_ms = redis_ms - (sent + time.time() * 1000) / 2
         with self._lock:
+            self._live_known = True
             self.state.set_live([_text(r) for r in live])
             now_ms = redis_ms  # what expires, expires by Redis's clock
             self.state.expire_shares(now_ms)

@@ -71,6 +71,9 @@ class RoutingCore:
         states = []
         for rid in replica_ids:
             seen = answer.get(rid) if answer is not None else None
+            if seen is not None and rid not in local and queued.get(rid, 0) <= seen.in_flight:
+                states.append(seen)  # nothing of this router's to add (most replicas, at scale)
+                continue
             base = seen or ReplicaState(rid, cached_blocks=0 if answer is not None else None)
             if answer is None:
                 base = replace(base, predicted_blocks=recent.get(rid, 0))

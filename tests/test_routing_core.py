@@ -85,7 +85,8 @@ class Unserved(PrefixAwareRequestRouter):
 
 
 def serve_side(redis: LocalRedis, cluster: str, mirror: bool) -> Recorder:
-    index = IndexConfig(url=redis.url, cluster=cluster, mirror=mirror)
+    # with a mirror, the test shares after each decision (not the router's share loop)
+    index = IndexConfig(url=redis.url, cluster=cluster, mirror=mirror, share_interval_s=3600)
     writer = IndexWriter(index, MODEL)
     for rid, tokens in HELD.items():
         writer.register(rid, "e1")
