@@ -97,6 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats", type=int, default=1, help="runs per policy, in ABBA order (spread reported)"
     )
     parser.add_argument("--knobs", help="RoutingConfig overrides, JSON")
+    parser.add_argument("--index", help='IndexConfig overrides, JSON, e.g. {"mirror": false}')
 
 
 def traces(args: argparse.Namespace) -> dict[float, list[TraceRequest]]:
@@ -178,7 +179,9 @@ def run_policy(
         engine=engine,
         max_queued_requests=-1,  # an experiment measures queueing; it does not shed
         routing=our_routing(name, args.epsilon, knobs),
-        index=IndexConfig(url=redis_url, cluster=namespace),
+        index=IndexConfig(
+            url=redis_url, cluster=namespace, **(json.loads(args.index) if args.index else {})
+        ),
         pull=pull or PullConfig(),
     )
     cluster = ServeCluster(cluster_args)
@@ -213,6 +216,8 @@ def run_policy(
             counters = stats.get("index") or {}  # queries answered "unknown" (routed blind)
             unknown = counters.get("query_failures", 0) + counters.get("queries_skipped", 0)
             metrics["index_unknown"] = unknown
+            mirror = stats.get("mirror") or {}  # decisions the mirror could not answer
+            metrics["mirror_unknown"] = mirror.get("unknown_answers")
         if metrics["requests_ok"] == 0:
             metrics["error"] = f"no request succeeded: {metrics['errors']}"
         return metrics
