@@ -69,6 +69,20 @@ MUTATIONS = [
     ("the index's breaker trips after 1 failure, not 3", "kvindex/reader.py",
      "TRIP_AFTER_FAILURES = 3", "TRIP_AFTER_FAILURES = 1",
      RULES + "test_the_index_breaker_trips_after_three_failed_queries_in_a_row"),
+    ("an evicted block keeps its generation", "replica/engine/block_allocator.py",
+     "        self.generations[block] += 1\n", "",
+     "test_shared_pool.py::test_a_block_evicted_after_the_export_ends_the_import_there"),
+    ("a block pulled by reference is not checked after its copy",
+     "replica/model/shared_pool.py",
+     "if after[sources[i]] != generations[i]:", "if False:",
+     "test_shared_pool.py::"
+     "test_a_block_reused_mid_copy_is_refused_even_after_its_bytes_arrived"),
+    ("the index's log leaves evictions out", "kvindex/scripts.py",
+     "if #ARGV > 5 + n_stored then emit(", "if false then emit(",
+     "test_index_mirror.py::test_the_mirror_answers_what_redis_answers_after_random_changes"),
+    ("a mirror counts its own router's shared bookings", "kvindex/mirror_state.py",
+     "        if router == self.own_router:\n            return\n", "",
+     "test_index_mirror.py::test_routers_see_each_others_shared_bookings_until_they_lapse"),
 ]  # fmt: skip
 ASSERTION = re.compile(r"^E\s+(AssertionError|assert )", re.M)
 

@@ -65,6 +65,13 @@ def caught_up(mirror: IndexMirror, index: Index) -> IndexMirror:
         assert time.monotonic() < deadline, (mirror.seq, target)
 
 
+def followed(index: Index, seed: int, steps: int) -> IndexMirror:
+    """A mirror that followed ``steps`` random changes from the start."""
+    mirror = index.mirror()
+    random_changes(index, random.Random(seed), steps)
+    return caught_up(mirror, index)
+
+
 def assert_same(mirror: IndexMirror, index: Index) -> None:
     for chain in CHAINS + [CHAINS[0][:1], []]:
         assert mirror.query(chain) == index.reader.query(chain), chain[:1]
@@ -152,9 +159,7 @@ def test_two_mirrors_following_at_once_converge(fresh_redis) -> None:
 
 def test_a_dropped_connection_costs_no_resync(fresh_redis) -> None:
     index = Index(fresh_redis.url)
-    mirror = index.mirror()
-    random_changes(index, random.Random(4), 30)
-    caught_up(mirror, index)
+    mirror = followed(index, 4, 30)
     assert index.client.client_kill_filter(_id=mirror._redis.client_id()) == 1  # the mirror's
     random_changes(index, random.Random(5), 30)
     with contextlib.suppress(redis.ConnectionError):
@@ -166,9 +171,7 @@ def test_a_dropped_connection_costs_no_resync(fresh_redis) -> None:
 
 def test_redis_restarted_empty_and_rebuilt(fresh_redis) -> None:
     index = Index(fresh_redis.url)
-    mirror = index.mirror()
-    random_changes(index, random.Random(6), 60)
-    caught_up(mirror, index)
+    mirror = followed(index, 6, 60)
     fresh_redis.stop()
     fresh_redis.start()  # empty, on the same port
     assert mirror.query(CHAINS[0])  # stale, but not stale for long yet
@@ -185,9 +188,7 @@ def test_redis_restarted_empty_and_rebuilt(fresh_redis) -> None:
 
 def test_a_mirror_that_fell_behind_the_trimmed_log_resyncs(fresh_redis) -> None:
     index = Index(fresh_redis.url)
-    mirror = index.mirror()
-    random_changes(index, random.Random(9), 30)
-    caught_up(mirror, index)
+    mirror = followed(index, 9, 30)
     random_changes(index, random.Random(10), 30)
     index.client.xtrim(f"{index.writer.namespace}:ev", maxlen=2)  # what it had not read
     caught_up(mirror, index)
@@ -197,9 +198,7 @@ def test_a_mirror_that_fell_behind_the_trimmed_log_resyncs(fresh_redis) -> None:
 
 def test_a_decision_from_the_mirror_is_the_decision_from_redis(fresh_redis) -> None:
     index = Index(fresh_redis.url)
-    mirror = index.mirror()
-    random_changes(index, random.Random(11), 120)
-    caught_up(mirror, index)
+    mirror = followed(index, 11, 120)
     replicas = sorted(index.reader.live_replicas())
     policy = routing_config(policy="prefill_cost")
     for i, chain in enumerate(CHAINS):
