@@ -66,10 +66,15 @@ def redis_kill(args: argparse.Namespace) -> dict[str, Any]:
         trace = fault_trace(args.rate, args.duration_s)
         s.load(trace)
         time.sleep(args.duration_s * 0.25)
+        resyncs = (s.cluster.stats().get("mirror") or {}).get("resyncs", 0)
         s.redis.stop()
         time.sleep(args.duration_s * 0.3)
         s.redis.start()  # empty: every registration and block entry is gone
         restarted = time.monotonic()
+        # the router's mirror notices the new log and takes a new snapshot
+        mirror_resynced = wait_for(
+            lambda: (s.cluster.stats().get("mirror") or {}).get("resyncs", 0) > resyncs, 60
+        )
 
         def rebuilt() -> bool:  # every replica re-registered and republished its blocks
             stats = s.stats()
@@ -85,6 +90,8 @@ def redis_kill(args: argparse.Namespace) -> dict[str, Any]:
         return s.report(
             trace,
             index_rebuilt_s=recovery,
+            mirror_resynced_s=mirror_resynced,
+            mirror=s.cluster.stats().get("mirror"),
             cache_aware_resumed=index_answers(s.cluster.base_url) > answered,
             index_blocks_after={rid: len(s.index.replica_blocks(rid)) for rid in s.stats()},
             since_restart_s=time.monotonic() - restarted,

@@ -145,11 +145,14 @@ def wait_for(condition: Callable[[], bool], timeout_s: float) -> float | None:
 
 
 def index_answers(base_url: str) -> float:
+    """Decisions the index answered: from the router's mirror, or from Redis."""
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    answered = 0.0
     for line in text.splitlines():
-        if line.startswith('prefix_serve_index_answers_total{outcome="answered"}'):
-            return float(line.split()[-1])
-    return 0.0
+        for outcome in ("answered", "mirror"):
+            if line.startswith(f'prefix_serve_index_answers_total{{outcome="{outcome}"}}'):
+                answered += float(line.split()[-1])
+    return answered
 
 
 def probe(base_url: str, model: str, n: int) -> list[RequestResult]:
