@@ -47,19 +47,34 @@ install_handlers(app)
 class Admission:
     """Requests this ingress has in the engines, capped so overload is refused at the door
     (503 at once) instead of waiting in a queue: replicas x ``max_ongoing_requests`` plus
-    ``max_queued_requests`` (no cap when that is -1), shared evenly by the ingress replicas
-    (the proxy spreads requests over them)."""
+    ``max_queued_requests`` (no cap when that is -1) for the whole cluster.
 
-    def __init__(self, args: ClusterArgs) -> None:
+    ``others`` tells how many requests the other ingress replicas have in the engines (their
+    routers' shared bookings, from this router's mirror of the index: ``router.link``), so
+    the cap is one for the cluster; while it cannot tell (None: no mirror, or not synced),
+    each ingress takes an even share of the cap (the proxy spreads requests over them).
+    """
+
+    def __init__(self, args: ClusterArgs, others: Callable[[], int | None] = lambda: None) -> None:
         queued = args.max_queued_requests
         slots = args.max_engine_replicas * args.max_ongoing_requests
-        share = -(-(slots + queued) // args.ingress_replicas)
-        self.limit = None if queued < 0 else share
+        self.cluster_limit = None if queued < 0 else slots + queued
+        self.share = None if queued < 0 else -(-(slots + queued) // args.ingress_replicas)
+        self.others = others
         self.in_flight = 0
+
+    @property
+    def limit(self) -> int | None:
+        """What this ingress may still hold: the cluster's cap less the others' requests."""
+        if self.cluster_limit is None:
+            return None
+        others = self.others() if self.share != self.cluster_limit else 0
+        return self.share if others is None else self.cluster_limit - others
 
     def enter(self, count: int = 1) -> None:
         """Take ``count`` slots (a batch of prompts takes one each), or refuse with 503."""
-        if self.limit is not None and self.in_flight + count > self.limit:
+        limit = self.limit
+        if limit is not None and self.in_flight + count > limit:
             raise overloaded()
         self.in_flight += count
 
@@ -89,7 +104,7 @@ class Ingress:
         self.hasher = self.args.engine.block_hasher()
         self.model_id = self.args.engine.model_id
         self.started = int(time.time())
-        self.admission = Admission(self.args)
+        self.admission = Admission(self.args, link.LINK.others_in_flight)
         self.requests = RequestBuilder(self.args, self.hasher)
         auth.configure(self.args.api_keys)
         body_limit.configure(self.args.max_request_bytes)

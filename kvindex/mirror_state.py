@@ -26,6 +26,7 @@ class MirrorState:
         self.own_router = own_router
         self.shares: dict[str, tuple[float, dict[str, list[int]]]] = {}
         self.shared: dict[str, list[int]] = {}
+        self.shared_in_flight = 0  # the sum of the shared requests, all replicas
         self.epochs: dict[str, str] = {}
         self.holders: dict[bytes, int] = {}  # block -> bitmask of replica slots
         self.blocks_of: dict[str, set[bytes]] = {}
@@ -120,6 +121,7 @@ class MirrorState:
             current = self.shared.setdefault(rid, [0, 0, 0])
             for i, v in enumerate(values):
                 current[i] += v
+            self.shared_in_flight += values[1]
 
     def expire_shares(self, now_ms: float) -> None:
         for router in [r for r, (expiry, _) in self.shares.items() if expiry <= now_ms]:
@@ -131,6 +133,7 @@ class MirrorState:
             current = self.shared[rid]
             for i, v in enumerate(values):
                 current[i] -= v
+            self.shared_in_flight -= values[1]
             if not any(current):
                 del self.shared[rid]
 

@@ -28,6 +28,9 @@ class LinkedRouter(Protocol):
     def snapshot(self) -> dict[str, Any]:
         """Routed counts, decision times, index counters, bookings, the replicas' stats."""
 
+    def others_in_flight(self) -> int | None:
+        """Requests the other routers have booked and not released (None: unknown)."""
+
 
 class RouterLink:
     def __init__(self) -> None:
@@ -51,6 +54,11 @@ class RouterLink:
     def snapshot(self) -> dict[str, Any]:
         router = self._router
         return router.snapshot() if router is not None else {}
+
+    def others_in_flight(self) -> int | None:
+        """For the ingress's admission (thread-safe: read from the router's mirror)."""
+        router = self._router
+        return router.others_in_flight() if router is not None else None
 
 
 LINK = RouterLink()

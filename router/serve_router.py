@@ -129,6 +129,13 @@ class PrefixAwareRequestRouter(RequestRouter):
             self._spawn(self.index.aprefill_done(booking.replica_id, request_id))
         self._share_due = True
 
+    def others_in_flight(self) -> int | None:
+        """Requests the other ingress replicas' routers have in the engines, from their
+        shares in this router's mirror (None without a synced mirror)."""
+        if self.mirror is None or not self.mirror.synced():
+            return None
+        return self.mirror.state.shared_in_flight
+
     def reason(self, request_id: str) -> str | None:
         return self.stats.reason(request_id)
 

@@ -240,6 +240,7 @@ def test_routers_see_each_others_shared_bookings_until_they_lapse(fresh_redis) -
     assert (seen_by_b["r0"].booked_prefill_tokens, seen_by_b["r0"].in_flight) == (100, 2)
     assert seen_by_b["r0"].booked_decode_blocks == 9
     assert seen_by_a["r0"].in_flight == 0  # its own: the router counts those itself
+    assert (mirrors["b"].state.shared_in_flight, mirrors["a"].state.shared_in_flight) == (2, 0)
     assert seen_by_a["r1"].predicted_blocks == seen_by_b["r1"].predicted_blocks == 4
     again = index.reader.ashare("a", 0.5, {"r1": (5, 1, 1)}, [], 30.0)  # replaces the last
     assert index.run(again)
@@ -252,3 +253,4 @@ def test_routers_see_each_others_shared_bookings_until_they_lapse(fresh_redis) -
     for mirror in (mirrors["b"], late):
         caught_up(mirror, index)
         assert mirror.query(CHAINS[1])["r1"].in_flight == 0
+        assert mirror.state.shared_in_flight == 0  # what an ingress's admission reads
