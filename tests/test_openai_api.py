@@ -6,6 +6,7 @@ API keys that isolate each other's cached prefixes, on one replica."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -94,7 +95,10 @@ def test_completion_logprobs_give_the_sampled_token_and_its_alternatives(client)
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
     assert "".join(lp.tokens) == reply.choices[0].text
     for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
-        assert len(top) <= 3 and value <= 0
+        # log-probabilities of one distribution: below 0 (a random model is never sure) and
+        # the alternatives' probabilities sum to at most 1
+        assert len(top) <= 3 and value < 0
+        assert math.fsum(math.exp(v) for v in top.values()) <= 1 + 1e-6
         assert value == pytest.approx(max(top.values()))  # greedy: the most likely token
         if "\ufffd" not in token:  # a partial character: several ids share that text
             assert top[token] == pytest.approx(value)
@@ -138,7 +142,9 @@ def test_echo_scores_the_prompt_token_by_token(client) -> None:
     assert reply.usage.completion_tokens == 0
     lp = choice.logprobs
     assert len(lp.tokens) == reply.usage.prompt_tokens
-    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    scored = lp.token_logprobs[1:]
+    assert lp.token_logprobs[0] is None and all(v < 0 for v in scored)
+    assert len(set(scored)) > 1  # each token scored on its own, not one value for all
     again = complete(client, max_tokens=0, echo=True, logprobs=1)  # cached now, still scored
     assert again.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs)
     both = complete(client, max_tokens=4, echo=True, temperature=0)
