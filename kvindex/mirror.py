@@ -37,6 +37,8 @@ from kvindex.config import IndexConfig
 from kvindex.mirror_state import MirrorState
 from kvindex.reader import Answer
 
+SNAPSHOT_CHUNK = 32  # replicas whose blocks one round trip of a snapshot reads
+
 
 @dataclass
 class MirrorCounters:
@@ -65,7 +67,8 @@ class IndexMirror:
         self._redis = redis.Redis.from_url(
             config.url,
             retry=Retry(NoBackoff(), 0),
-            socket_timeout=config.timeout_s + block_ms / 1000,
+            # off every request's path: it may wait as long as a replica's writes do
+            socket_timeout=max(config.timeout_s, config.write_timeout_s) + block_ms / 1000,
             socket_connect_timeout=config.connect_timeout_s,
         )
         self._snapshot = self._redis.register_script(scripts.SNAPSHOT)
@@ -137,17 +140,19 @@ class IndexMirror:
         registry = _pairs(registry)
         fresh = MirrorState(self.router_id)
         fresh.seq = int(seq)
-        pipe = self._redis.pipeline(transaction=False)
         rids = list(registry)
-        for rid in rids:
-            pipe.smembers(f"{self.namespace}:r:{rid}")
-            pipe.zrange(f"{self.namespace}:pr:{rid}", 0, -1, withscores=True)
-        replies = pipe.execute() if rids else []
-        for i, rid in enumerate(rids):
-            fresh.register(rid, registry[rid])
-            fresh.add(rid, replies[2 * i])
-            for block, expiry in replies[2 * i + 1]:  # a prediction expires by its score
-                fresh.predict(rid, expiry, [block])
+        for first in range(0, len(rids), SNAPSHOT_CHUNK):  # bounded replies, each in time
+            chunk = rids[first : first + SNAPSHOT_CHUNK]
+            pipe = self._redis.pipeline(transaction=False)
+            for rid in chunk:
+                pipe.smembers(f"{self.namespace}:r:{rid}")
+                pipe.zrange(f"{self.namespace}:pr:{rid}", 0, -1, withscores=True)
+            replies = pipe.execute()
+            for i, rid in enumerate(chunk):
+                fresh.register(rid, registry[rid])
+                fresh.add(rid, replies[2 * i])
+                for block, expiry in replies[2 * i + 1]:  # a prediction expires by its score
+                    fresh.predict(rid, expiry, [block])
         for field, value in _pairs(loads).items():
             rid, _, name = field.rpartition(":")
             fresh.set_load_field(rid, name, int(value))

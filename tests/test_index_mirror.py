@@ -17,7 +17,7 @@ import redis
 
 from kvindex.config import IndexConfig
 from kvindex.hashing import BlockHasher
-from kvindex.mirror import IndexMirror
+from kvindex.mirror import SNAPSHOT_CHUNK, IndexMirror
 from kvindex.mirror_state import MirrorState
 from kvindex.reader import IndexReader
 from kvindex.records import Booking, RoutingRequest
@@ -254,3 +254,11 @@ def test_routers_see_each_others_shared_bookings_until_they_lapse(fresh_redis) -
         caught_up(mirror, index)
         assert mirror.query(CHAINS[1])["r1"].in_flight == 0
         assert mirror.state.shared_in_flight == 0  # what an ingress's admission reads
+
+
+def test_a_snapshot_of_more_replicas_than_one_round_trip_reads(fresh_redis) -> None:
+    index = Index(fresh_redis.url)
+    for r in range(SNAPSHOT_CHUNK * 2 + 5):
+        index.writer.register(f"s{r}", "e")
+        index.writer.publish(f"s{r}", "e", CHAINS[r % len(CHAINS)][: 1 + r % 9])
+    assert_same(index.mirror(), index)
