@@ -2,7 +2,7 @@
 
 Redis stays the index's home: replicas publish into it as before, and every script that
 changes what a query would answer also appends an event to the namespace's log (a stream,
-``kvindex.scripts.EMIT``; entry ids are sequence numbers). A mirror loads a snapshot (the
+``kvindex.lua.EMIT``; entry ids are sequence numbers). A mirror loads a snapshot (the
 registry and loads at one instant, then each replica's blocks), follows the log from the
 snapshot's sequence number, and answers ``query`` from memory with what ``IndexReader.query``
 would answer from Redis on the same state: a test holds the two equal.

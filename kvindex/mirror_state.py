@@ -42,7 +42,7 @@ class MirrorState:
     # --- changes (the log's events) ---
 
     def apply(self, fields: dict[bytes, bytes]) -> None:
-        """One event of the log (``kvindex.scripts.EMIT``)."""
+        """One event of the log (``kvindex.lua.EMIT``)."""
         op, rid, a = fields[b"o"], fields[b"r"].decode(), fields[b"a"]
         if op == b"add":
             self.add(rid, _split(a))

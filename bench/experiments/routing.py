@@ -179,9 +179,7 @@ def run_policy(
         engine=engine,
         max_queued_requests=-1,  # an experiment measures queueing; it does not shed
         routing=our_routing(name, args.epsilon, knobs),
-        index=IndexConfig(
-            url=redis_url, cluster=namespace, **(json.loads(args.index) if args.index else {})
-        ),
+        index=_index_config(args, redis_url, namespace),
         pull=pull or PullConfig(),
     )
     cluster = ServeCluster(cluster_args)
@@ -223,6 +221,12 @@ def run_policy(
         return metrics
     finally:
         cluster.stop(keep_logs="error" in metrics)
+
+
+def _index_config(args: argparse.Namespace, url: str, namespace: str) -> IndexConfig:
+    """The run's own namespace on the experiment's Redis, with ``--index`` overrides."""
+    overrides = json.loads(args.index) if args.index else {}
+    return IndexConfig(url=url, cluster=namespace, **overrides)
 
 
 def _warm_up(base_url: str, model: str, replicas: int) -> None:
