@@ -114,7 +114,17 @@ class IndexMirror:
             self.counters.unknown_answers += 1
             return None
         with self._lock:
-            return self.state.answer(block_hashes, time.time() * 1000 + self._clock_offset_ms)
+            return self.state.answer(block_hashes, self._redis_now_ms())
+
+    def predict(self, replica_id: str, block_hashes: Sequence[bytes], ttl_s: float) -> None:
+        """This router just sent a prompt there: its own next decisions see the prediction
+        at once (the other routers when its share arrives; the same event then lands here
+        too, with the same effect)."""
+        with self._lock:
+            self.state.predict(replica_id, self._redis_now_ms() + ttl_s * 1000, block_hashes)
+
+    def _redis_now_ms(self) -> float:
+        return time.time() * 1000 + self._clock_offset_ms
 
     def wait_for(self, seq: int, timeout_s: float = 5.0) -> bool:
         """Block until the event ``seq`` is applied (tests, benchmarks)."""

@@ -256,6 +256,7 @@ for i = 1, #routers, 2 do
   if tonumber(routers[i + 1]) < now then redis.call('HDEL', ns .. ':routers', routers[i]) end
 end
 redis.call('HSET', ns .. ':routers', router, now + ttl)
+redis.call('PEXPIRE', ns .. ':routers', ttl)  -- gone a ttl after the last router's share
 local seq = emit(ns, 'share', router, payload)
 local expiry = string.format('%d', now + tonumber(ARGV[5]))
 for i = 6, #ARGV - 1, 2 do seq = emit(ns, 'pred', ARGV[i], expiry, ARGV[i + 1]) end

@@ -120,6 +120,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             self._spawn(self._book(booking))
         else:  # shared at the next share; its prompt predicted held there (as a booking does)
             self._predictions.append((rid, tuple(booking.block_hashes)))
+            self.mirror.predict(rid, booking.block_hashes, self.config.predict_ttl_s)
             self._share_due = True
 
     def prefill_done(self, request_id: str) -> None:
