@@ -8,7 +8,7 @@ it returns one rank per replica, so a full first choice spills over to the next 
 queueing. Every decision is booked in the core and shared with the other ingress replicas'
 routers; the ingress reports first tokens through ``router.link``.
 
-With ``index.mirror`` (the default) the index is this router's live copy of it
+With ``index.mirror`` (opt-in) the index is this router's live copy of it
 (``kvindex.mirror``): a decision reads memory, and the bookings go to Redis as one share of
 this router's totals every ``share_interval_s`` (``IndexReader.ashare``), which the other
 routers' mirrors add up. Without it, or while the copy is not synced, one query per decision
