@@ -110,3 +110,10 @@ class BlockHasher:
             prev = _digest(prev + encoded[offset : offset + width], self.secret)
             hashes.append(prev)
         return hashes
+
+
+def id_hash(name: str | bytes) -> int:
+    """A name's 64-bit hash (a replica id, a routing key) for rendezvous ranking
+    (``router.policies.rendezvous_weights``): BLAKE2b, stable across processes."""
+    data = name.encode() if isinstance(name, str) else name
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")

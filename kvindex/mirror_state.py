@@ -1,40 +1,53 @@
 """What an index mirror holds, and its answer: plain data, no I/O (``kvindex.mirror`` feeds
 it from Redis; tests feed it directly).
 
-Invariants (``check``): a replica's bit is set in a block's holders exactly when the block
-is in that replica's set; every replica with blocks, loads or predictions has a slot; slots
-are reused only after their replica was purged (so no stale bit can name a new replica).
-The answer reads a chain as ``QUERY`` does (``kvindex.scripts``): published runs and
-predicted runs walked block by block, footprints, loads, for live replicas only.
+Sized for a thousand replicas: which replicas hold each block is a ``HolderTable`` (numpy,
+~13 bytes per replica and block), and loads, footprints and shared bookings are numpy rows
+per replica *slot*, so an answer is a ``ReplicaTable`` built by a few array operations, not
+one object per replica.
+
+Invariants (``check``): the holder table's own; a replica's footprint is the number of
+blocks the table says it holds; every replica with blocks, loads or predictions has a slot;
+slots are reused only after their replica was purged (so no stale holder can name a new
+replica). The answer reads a chain as ``QUERY`` does (``kvindex.scripts``): published runs
+and predicted runs walked block by block, footprints, loads, for live replicas only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvindex.records import ReplicaState
+import numpy as np
+
+from kvindex.hashing import id_hash
+from kvindex.holder_table import HolderTable, block_keys
+from kvindex.records import COLUMNS, ReplicaTable, TableAnswer
 
 HASH_BYTES = 16
 LOAD_FIELDS = ("prefill", "active", "decode")
+_LOAD_COLUMNS = ("booked_prefill_tokens", "in_flight", "booked_decode_blocks")
 
 
 class MirrorState:
     def __init__(self, own_router: str | None = None) -> None:
         self.seq = 0  # the last event applied
-        # routers' shared bookings (``SHARE``): each one's latest, and their sum per replica;
+        # routers' shared bookings (``SHARE``): each one's latest, and their sum per slot;
         # this router's own are left out (it adds its own bookings, fresher, itself)
         self.own_router = own_router
         self.shares: dict[str, tuple[float, dict[str, list[int]]]] = {}
-        self.shared: dict[str, list[int]] = {}
         self.shared_in_flight = 0  # the sum of the shared requests, all replicas
         self.epochs: dict[str, str] = {}
-        self.holders: dict[bytes, int] = {}  # block -> bitmask of replica slots
-        self.blocks_of: dict[str, set[bytes]] = {}
-        self.loads: dict[str, list[int]] = {}  # replica -> [prefill, active, decode]
+        self.holders = HolderTable()
+        self.loads = np.zeros((0, 3), np.int64)  # slot -> [prefill, active, decode]
+        self.shared = np.zeros((0, 3), np.int64)  # slot -> the other routers' shares, summed
+        self.id_hashes = np.zeros(0, np.uint64)  # slot -> id_hash of its replica
         self.predicted: dict[bytes, dict[str, float]] = {}  # block -> replica -> expiry ms
         self.predicted_of: dict[str, set[bytes]] = {}
         self.live: list[str] = []
+        self._live_slots: np.ndarray | None = None
+        self._live_array: np.ndarray | None = None
         self._live_mask = 0
+        self._live_position = np.zeros(0, np.int64)
         self._slot: dict[str, int] = {}
         self._rid: dict[int, str] = {}
         self._free: list[int] = []
@@ -49,8 +62,8 @@ class MirrorState:
         elif op == b"rem":
             self.remove(rid, _split(a))
         elif op == b"load":
-            self.loads[rid] = [int(v) for v in a.split(b":")]
-            self._slot_of(rid)
+            slot = self._slot_of(rid)  # first: a new slot may grow the rows
+            self.loads[slot] = [int(v) for v in a.split(b":")]
         elif op == b"pred":
             self.predict(rid, float(a), _split(fields[b"b"]))
         elif op == b"share":
@@ -71,22 +84,20 @@ class MirrorState:
         self._slot_of(rid)
 
     def add(self, rid: str, blocks: Iterable[bytes]) -> None:
-        bit = 1 << self._slot_of(rid)
-        mine = self.blocks_of.setdefault(rid, set())
-        for block in blocks:
-            mine.add(block)
-            self.holders[block] = self.holders.get(block, 0) | bit
+        self.holders.add(self._slot_of(rid), block_keys(list(blocks)))
 
     def remove(self, rid: str, blocks: Iterable[bytes]) -> None:
-        bit = 1 << self._slot_of(rid)
-        mine = self.blocks_of.get(rid, set())
-        for block in blocks:
-            mine.discard(block)
-            left = self.holders.get(block, 0) & ~bit
-            if left:
-                self.holders[block] = left
-            else:
-                self.holders.pop(block, None)
+        self.holders.remove(self._slot_of(rid), block_keys(list(blocks)))
+
+    def blocks_held(self, rid: str) -> int:
+        """The distinct blocks ``rid`` has published (its footprint)."""
+        slot = self._slot.get(rid)
+        return 0 if slot is None else int(self.holders.count[slot])
+
+    def holds(self, rid: str, block: bytes) -> bool:
+        slot = self._slot.get(rid)
+        key = int(block_keys([block])[0])
+        return slot is not None and slot in self.holders.holders_of(key)
 
     def predict(self, rid: str, expiry_ms: float, blocks: Iterable[bytes]) -> None:
         self._slot_of(rid)
@@ -97,13 +108,14 @@ class MirrorState:
 
     def purge(self, rid: str) -> None:
         """Everything of the replica: blocks, predictions, loads (its slot stays)."""
-        self.remove(rid, list(self.blocks_of.pop(rid, ())))
+        slot = self._slot_of(rid)
+        self.holders.purge(slot)
         for block in self.predicted_of.pop(rid, ()):
             by_replica = self.predicted.get(block, {})
             by_replica.pop(rid, None)
             if not by_replica:
                 self.predicted.pop(block, None)
-        self.loads.pop(rid, None)
+        self.loads[slot] = 0
 
     def share(self, router: str, payload: bytes) -> None:
         """A router's shared bookings (``expiry|replica:prefill:active:decode,...``),
@@ -118,9 +130,8 @@ class MirrorState:
         self._unshare(router)
         self.shares[router] = (float(expiry), totals)
         for rid, values in totals.items():
-            current = self.shared.setdefault(rid, [0, 0, 0])
-            for i, v in enumerate(values):
-                current[i] += v
+            slot = self._slot_of(rid)
+            self.shared[slot] += values
             self.shared_in_flight += values[1]
 
     def expire_shares(self, now_ms: float) -> None:
@@ -130,20 +141,16 @@ class MirrorState:
     def _unshare(self, router: str) -> None:
         _, old = self.shares.pop(router, (0.0, {}))
         for rid, values in old.items():
-            current = self.shared[rid]
-            for i, v in enumerate(values):
-                current[i] -= v
+            self.shared[self._slot[rid]] -= values
             self.shared_in_flight -= values[1]
-            if not any(current):
-                del self.shared[rid]
 
     def set_load_field(self, rid: str, name: str, value: int) -> None:
-        self.loads.setdefault(rid, [0, 0, 0])[LOAD_FIELDS.index(name)] = value
-        self._slot_of(rid)
+        slot = self._slot_of(rid)
+        self.loads[slot, LOAD_FIELDS.index(name)] = value
 
     def set_live(self, live: Sequence[str]) -> None:
-        self.live = list(live)
-        self._invalidate_live()
+        self.live = list(live)  # a new list: answers already out keep theirs
+        self._live_slots = None
 
     def expire_predictions(self, now_ms: float) -> None:
         for block in list(self.predicted):
@@ -156,50 +163,43 @@ class MirrorState:
 
     # --- the answer ---
 
-    def answer(self, chain: Sequence[bytes], now_ms: float) -> dict[str, ReplicaState]:
-        runs = self._published_runs(chain)
-        predicted = self._predicted_runs(chain, now_ms)
-        answer = {}
-        for rid in self.live:
-            prefill, active, decode = self.loads.get(rid, (0, 0, 0))
-            if rid in self.shared:
-                shared = self.shared[rid]
-                prefill, active, decode = (
-                    prefill + shared[0],
-                    active + shared[1],
-                    decode + shared[2],
-                )
-            answer[rid] = ReplicaState(
-                rid,
-                in_flight=active,
-                booked_prefill_tokens=prefill,
-                booked_decode_blocks=decode,
-                cached_blocks=runs.get(rid, 0),
-                predicted_blocks=predicted.get(rid, 0),
-                footprint_blocks=len(self.blocks_of.get(rid, ())),
-            )
-        return answer
+    def answer(self, chain: Sequence[bytes], now_ms: float) -> TableAnswer:
+        """Every live replica's state for ``chain``, as ``IndexReader.query`` answers it."""
+        if self._live_slots is None:
+            self._cache_live()
+        slots, position = self._live_slots, self._live_position
+        cached = np.zeros(slots.size, np.int64)
+        for run, mask in self.holders.leading_runs(block_keys(list(chain)), self._live_mask):
+            cached[position[_bits(mask)]] = run
+        predicted = np.zeros(slots.size, np.int64)
+        for rid, run in self._predicted_runs(chain, now_ms).items():
+            k = position[self._slot[rid]]
+            if k >= 0:
+                predicted[k] = run
+        load = self.loads[slots] + self.shared[slots]
+        columns = dict(zip(_LOAD_COLUMNS, load.T, strict=True))
+        columns |= {
+            "cached_blocks": cached,
+            "predicted_blocks": predicted,
+            "footprint_blocks": self.holders.count[slots],
+            "pullable_blocks": np.zeros(slots.size, np.int64),
+        }
+        assert set(columns) == set(COLUMNS)
+        table = ReplicaTable(
+            self.live, columns, id_hashes=self.id_hashes[slots], id_array=self._live_array
+        )
+        return TableAnswer(table)
 
-    def _published_runs(self, chain: Sequence[bytes]) -> dict[str, int]:
-        """Live replicas' leading runs of ``chain`` (those with none are left out)."""
-        if self._live_mask < 0:
-            self._live_mask = sum(1 << self._slot_of(rid) for rid in self.live)
-        runs: dict[str, int] = {}
-        alive = self._live_mask
-        for i, block in enumerate(chain):
-            if not alive:
-                break
-            still = alive & self.holders.get(block, 0)
-            self._name_runs(alive & ~still, i, runs)
-            alive = still
-        self._name_runs(alive, len(chain), runs)
-        return runs
-
-    def _name_runs(self, mask: int, run: int, runs: dict[str, int]) -> None:
-        while mask and run:
-            low = mask & -mask
-            runs[self._rid[low.bit_length() - 1]] = run
-            mask ^= low
+    def _cache_live(self) -> None:
+        """What every answer needs of the live set: slots, their bitmask, each slot's place."""
+        slots = np.array([self._slot_of(rid) for rid in self.live], np.int64)
+        self._live_array = np.array(self.live, dtype=object)
+        bits = np.zeros(int(slots.max(initial=0)) + 8, np.uint8)
+        bits[slots] = 1
+        self._live_mask = int.from_bytes(np.packbits(bits, bitorder="little").tobytes(), "little")
+        self._live_position = np.full(len(self._slot) + len(self._free), -1, np.int64)
+        self._live_position[slots] = np.arange(slots.size)
+        self._live_slots = slots
 
     def _predicted_runs(self, chain: Sequence[bytes], now_ms: float) -> dict[str, int]:
         predicted: dict[str, int] = {}
@@ -225,6 +225,14 @@ class MirrorState:
         if slot is None:
             slot = self._free.pop() if self._free else len(self._slot) + len(self._free)
             self._slot[rid], self._rid[slot] = slot, rid
+            if slot >= len(self.loads):
+                grow = max(64, len(self.loads))
+                self.loads = np.concatenate([self.loads, np.zeros((grow, 3), np.int64)])
+                self.shared = np.concatenate([self.shared, np.zeros((grow, 3), np.int64)])
+                self.id_hashes = np.concatenate([self.id_hashes, np.zeros(grow, np.uint64)])
+            self.id_hashes[slot] = id_hash(rid)
+            self.holders.ensure_slot(slot)
+            self._live_slots = None
         return slot
 
     def _release_slot(self, rid: str) -> None:
@@ -232,20 +240,27 @@ class MirrorState:
         if slot is not None:
             del self._rid[slot]
             self._free.append(slot)
-            self._invalidate_live()
-
-    def _invalidate_live(self) -> None:
-        self._live_mask = -1  # recomputed at the next answer (a new replica's slot)
+            for _, totals in self.shares.values():  # its shared bookings end with it
+                values = totals.pop(rid, None)
+                if values is not None:
+                    self.shared_in_flight -= values[1]
+            self.shared[slot] = 0
+            self._live_slots = None
 
     def check(self) -> None:
         """The invariants of the module docstring."""
-        for rid, blocks in self.blocks_of.items():
-            bit = 1 << self._slot[rid]
-            assert all(self.holders[b] & bit for b in blocks), rid
-        for block, mask in self.holders.items():
-            for slot, rid in self._rid.items():
-                assert bool(mask >> slot & 1) == (block in self.blocks_of.get(rid, ())), block
+        self.holders.check()
         assert set(self._rid.values()) == set(self._slot)
+        assert all(self._rid[s] == rid for rid, s in self._slot.items())
+        for slot in self._free:
+            assert self.holders.count[slot] == 0 and not self.loads[slot].any(), slot
+        assert self.shared_in_flight == int(self.shared[:, 1].sum())
+
+
+def _bits(mask: int) -> np.ndarray:
+    """The slots set in a bitmask."""
+    raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), np.uint8)
+    return np.flatnonzero(np.unpackbits(raw, bitorder="little"))
 
 
 def _split(joined: bytes) -> list[bytes]:

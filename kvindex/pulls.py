@@ -17,12 +17,13 @@ the call to the holder). Both defaults are fitted to pulls on a real 2-replica c
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import replace
+from collections.abc import Iterable, Sequence
+from typing import Any
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvindex.records import ReplicaState, RoutingRequest
+from kvindex.records import ReplicaState, ReplicaTable, RoutingRequest
 
 
 class PullConfig(BaseModel):
@@ -63,24 +64,36 @@ def pull_source(states: Iterable[ReplicaState], replica_id: str, min_blocks: int
     return best.replica_id
 
 
-def with_pullable(states: list[ReplicaState]) -> list[ReplicaState]:
+def with_pullable(states: Sequence[ReplicaState]) -> Any:
     """``states`` with ``pullable_blocks`` set: for each replica, the most any *other*
-    replica has published of the chain (what it could pull)."""
-    held = sorted(((s.cached_blocks or 0), s.replica_id) for s in states)
-    if len(held) < 2:
+    replica has published of the chain (what it could pull). A ``ReplicaTable`` in, a
+    table out; a list in, a list out."""
+    table = ReplicaTable.of(states)
+    if len(table) < 2:
         return states
-    (second, _), (first, first_id) = held[-2], held[-1]
-    return [
-        replace(s, pullable_blocks=second if s.replica_id == first_id else first) for s in states
-    ]
+    cached = table.column("cached_blocks")
+    top = int(np.argmax(cached))
+    first, second = cached[top], np.max(np.delete(cached, top))
+    pullable = np.full(len(table), first, np.int64)
+    pullable[top] = second
+    pulled = table.with_columns(pullable_blocks=pullable)
+    return pulled if isinstance(states, ReplicaTable) else list(pulled)
 
 
 def pulled_tokens(request: RoutingRequest, state: ReplicaState, min_blocks: int) -> int:
     """Prompt tokens ``state``'s replica would pull for ``request``: what another replica
     has published beyond what this one holds, if ``min_blocks`` or more (0 otherwise)."""
+    return int(pulled_token_column(request, ReplicaTable.of([state]), min_blocks)[0])
+
+
+def pulled_token_column(
+    request: RoutingRequest, table: ReplicaTable, min_blocks: int
+) -> np.ndarray:
+    """``pulled_tokens`` of every replica of a table."""
     usable_blocks = request.usable_tokens // request.block_size
-    missing = min(state.pullable_blocks, usable_blocks) - min(state.held_blocks, usable_blocks)
-    return missing * request.block_size if missing >= min_blocks else 0
+    pullable = np.minimum(table.column("pullable_blocks"), usable_blocks)
+    missing = pullable - np.minimum(table.held, usable_blocks)
+    return np.where(missing >= min_blocks, missing * request.block_size, 0)
 
 
 def pull_price(config: PullConfig, tokens: int) -> int:
@@ -88,3 +101,9 @@ def pull_price(config: PullConfig, tokens: int) -> int:
     if tokens <= 0:
         return 0
     return config.call_cost_tokens + math.ceil(tokens * config.token_cost)
+
+
+def pull_prices(config: PullConfig, tokens: np.ndarray) -> np.ndarray:
+    """``pull_price`` of each count of ``tokens``."""
+    price = config.call_cost_tokens + np.ceil(tokens * config.token_cost).astype(np.int64)
+    return np.where(tokens > 0, price, 0)

@@ -31,7 +31,7 @@ from kvindex.records import Booking, ReplicaState
 
 TRIP_AFTER_FAILURES = 3  # failed queries in a row before routers stop asking for a while
 
-Answer = dict[str, ReplicaState]  # live replica id -> what it holds of the chain, its load
+Answer = Mapping[str, ReplicaState]  # live replica id -> what it holds of the chain, its load
 
 
 @dataclass

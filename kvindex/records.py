@@ -8,8 +8,11 @@ added); ``Booking`` is what a router books on the replica it chose.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, overload
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -88,3 +91,138 @@ def leading_runs(
             runs[rid] = i
             alive.discard(rid)
     return runs
+
+
+COLUMNS = tuple(f.name for f in fields(ReplicaState) if f.name != "replica_id")
+
+
+class ReplicaTable(Sequence[ReplicaState]):
+    """Replicas' states for one request as numpy columns (``COLUMNS``, int64), so a router can
+    rank a thousand replicas without a thousand objects; also a sequence of ``ReplicaState``
+    for policies that read states one by one.
+
+    Built from columns (the index mirror's answer) or from states (lazily turned into
+    columns, and back only where asked). ``known`` False: the index did not answer (every
+    ``cached_blocks`` is None). ``id_hashes`` (optional) are the ids' rendezvous hashes
+    (``kvindex.hashing.id_hash``), carried so a ranking need not hash every id again.
+    """
+
+    def __init__(
+        self,
+        ids: Sequence[str],
+        columns: Mapping[str, np.ndarray] | None = None,
+        known: bool = True,
+        states: Sequence[ReplicaState] | None = None,
+        id_hashes: np.ndarray | None = None,
+        id_array: np.ndarray | None = None,
+    ) -> None:
+        self.ids = ids if isinstance(ids, list) else list(ids)  # never changed in place
+        self._id_array = id_array
+        self.known = known
+        self._columns = dict(columns) if columns is not None else None
+        self._states = list(states) if states is not None else None
+        self.id_hashes = id_hashes
+        self._positions: dict[str, int] | None = None
+        assert self._columns is not None or self._states is not None
+
+    @classmethod
+    def of(cls, states: Sequence[ReplicaState]) -> ReplicaTable:
+        """``states`` as a table (itself when it is one)."""
+        if isinstance(states, ReplicaTable):
+            return states
+        states = list(states)
+        known = any(s.cached_blocks is not None for s in states) or not states
+        return cls([s.replica_id for s in states], known=known, states=states)
+
+    def column(self, name: str) -> np.ndarray:
+        if self._columns is None:
+            self._columns = {
+                c: np.array([getattr(s, c) or 0 for s in self._states or ()], np.int64)
+                for c in COLUMNS
+            }
+        return self._columns[name]
+
+    @property
+    def held(self) -> np.ndarray:
+        """``ReplicaState.held_blocks`` of each."""
+        return np.maximum(self.column("cached_blocks"), self.column("predicted_blocks"))
+
+    def with_columns(self, **columns: np.ndarray) -> ReplicaTable:
+        """A copy with some columns replaced (its states are built anew where asked)."""
+        merged = {c: self.column(c) for c in COLUMNS} | columns
+        return ReplicaTable(
+            self.ids, merged, self.known, id_hashes=self.id_hashes, id_array=self._id_array
+        )
+
+    def take(self, ids: Sequence[str]) -> ReplicaTable:
+        """The table for ``ids`` in that order; an id it lacks gets zeros."""
+        if list(ids) == self.ids:
+            return self
+        where = self.positions
+        pos = np.array([where.get(rid, -1) for rid in ids], np.int64)
+        have = pos >= 0
+        columns = {c: np.where(have, self.column(c)[np.maximum(pos, 0)], 0) for c in COLUMNS}
+        hashes = None
+        if self.id_hashes is not None and have.all():
+            hashes = self.id_hashes[pos]
+        return ReplicaTable(ids, columns, self.known, id_hashes=hashes)
+
+    @property
+    def id_array(self) -> np.ndarray:
+        """The ids as a numpy object array (a ranking's order picks them at once)."""
+        if self._id_array is None:
+            self._id_array = np.array(self.ids, dtype=object)
+        return self._id_array
+
+    def position(self, rid: str) -> int | None:
+        """Where ``rid`` is (None: not in the table), without building ``positions``."""
+        if self._positions is not None:
+            return self._positions.get(rid)
+        try:
+            return self.ids.index(rid)
+        except ValueError:
+            return None
+
+    @property
+    def positions(self) -> dict[str, int]:
+        if self._positions is None:
+            self._positions = {rid: i for i, rid in enumerate(self.ids)}
+        return self._positions
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @overload
+    def __getitem__(self, i: int) -> ReplicaState: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[ReplicaState]: ...
+    def __getitem__(self, i: Any) -> Any:
+        if self._states is None:
+            self._states = [self._state(k) for k in range(len(self.ids))]
+        return self._states[i]
+
+    def __iter__(self) -> Iterator[ReplicaState]:
+        return iter(self[:])
+
+    def _state(self, k: int) -> ReplicaState:
+        values = {c: int(self.column(c)[k]) for c in COLUMNS}
+        if not self.known:
+            values["cached_blocks"] = None
+        return ReplicaState(self.ids[k], **values)
+
+
+class TableAnswer(Mapping[str, ReplicaState]):
+    """An index answer (replica id -> state) held as a ``ReplicaTable``: what a mirror
+    answers, equal to the dict ``IndexReader.query`` answers on the same state."""
+
+    def __init__(self, table: ReplicaTable) -> None:
+        self.table = table
+
+    def __getitem__(self, rid: str) -> ReplicaState:
+        return self.table[self.table.positions[rid]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.table.ids)
+
+    def __len__(self) -> int:
+        return len(self.table)

@@ -19,22 +19,43 @@ drift from production:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from kvindex.pulls import PullConfig, pulled_tokens, with_pullable
-from kvindex.records import Booking, ReplicaState, RoutingRequest
+import numpy as np
+
+from kvindex.pulls import PullConfig, pulled_token_column, with_pullable
+from kvindex.records import Booking, ReplicaState, ReplicaTable, RoutingRequest, TableAnswer
 from router.bookings import Bookings, Load
-from router.policies import RoutingPolicy, cache_credit
+from router.policies import RoutingPolicy, cache_credits
 from router.recent_routes import RecentRoutes
 
 
-@dataclass(frozen=True)
 class Decision:
-    """A ranking (best first) and, per replica, the prompt tokens its cache would serve."""
+    """A ranking (best first) and, per replica, the prompt tokens its cache would serve
+    (a column of the table ranked, read one replica at a time with ``credit``)."""
 
-    request: RoutingRequest
-    ranking: list[str]
-    credits: dict[str, int]
+    def __init__(
+        self, request: RoutingRequest, ranking: list[str], table: ReplicaTable, credit: np.ndarray
+    ) -> None:
+        self.request, self.ranking = request, ranking
+        self._table, self._credit = table, credit
+
+    def credit(self, replica_id: str) -> int:
+        k = self._table.position(replica_id)
+        return 0 if k is None else int(self._credit[k])
+
+    @property
+    def credits(self) -> dict[str, int]:
+        return dict(zip(self._table.ids, self._credit.tolist(), strict=True))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Decision):
+            return NotImplemented
+        same = (self.request, self.ranking) == (other.request, other.ranking)
+        return same and self.credits == other.credits
+
+    def __repr__(self) -> str:
+        return f"Decision({self.request.request_id!r}, ranking={self.ranking[:8]!r}...)"
 
 
 class RoutingCore:
@@ -59,10 +80,49 @@ class RoutingCore:
         answer: Mapping[str, ReplicaState] | None,
         block_hashes: Sequence[bytes],
         queued: Mapping[str, int] | None = None,
-    ) -> list[ReplicaState]:
+    ) -> ReplicaTable:
         """What the policy sees of every candidate (``answer`` None: the index did not
         answer, or the policy does not read it). ``queued``: requests the caller knows to be
         queued at each replica (a floor for its in-flight count)."""
+        if isinstance(answer, TableAnswer):
+            table = self._added(answer.table.take(replica_ids), queued)
+        else:
+            table = ReplicaTable.of(self._states(replica_ids, answer, block_hashes, queued))
+        return with_pullable(table) if self.pulls and answer is not None else table
+
+    def _added(self, table: ReplicaTable, queued: Mapping[str, int] | None) -> ReplicaTable:
+        """A table of the index's answer plus this router's unacknowledged bookings, with
+        ``queued`` as a floor for in-flight counts (the columns touched only where needed)."""
+        local = self.bookings.totals(only_unacknowledged=True)
+        floors = {rid: n for rid, n in (queued or {}).items() if n}
+        if not local and not floors:
+            return table
+        columns = {
+            c: table.column(c).copy()
+            for c in ("booked_prefill_tokens", "in_flight", "booked_decode_blocks")
+        }
+        where = table.positions
+        for rid, load in local.items():
+            k = where.get(rid)
+            if k is not None:
+                columns["booked_prefill_tokens"][k] += load.prefill_tokens
+                columns["in_flight"][k] += load.in_flight
+                columns["booked_decode_blocks"][k] += load.decode_blocks
+        for rid, n in floors.items():
+            k = where.get(rid)
+            if k is not None:
+                columns["in_flight"][k] = max(columns["in_flight"][k], n)
+        return table.with_columns(**columns)
+
+    def _states(
+        self,
+        replica_ids: Sequence[str],
+        answer: Mapping[str, ReplicaState] | None,
+        block_hashes: Sequence[bytes],
+        queued: Mapping[str, int] | None,
+    ) -> list[ReplicaState]:
+        """``states`` one replica at a time (an answer from Redis or the simulator's index,
+        or none)."""
         local = self.bookings.totals(only_unacknowledged=answer is not None)
         recent = {}
         if answer is None and self.recent is not None:
@@ -88,17 +148,15 @@ class RoutingCore:
                     booked_decode_blocks=load.decode_blocks,
                 )
             )
-        return with_pullable(states) if self.pulls and answer is not None else states
+        return states
 
     def decide(self, request: RoutingRequest, states: Sequence[ReplicaState]) -> Decision:
-        ranking = self.policy.rank(request, states)
-        min_blocks = self.pulls.min_blocks if self.pulls else 0
-        credits = {
-            s.replica_id: cache_credit(request, s)
-            + (pulled_tokens(request, s, min_blocks) if self.pulls else 0)
-            for s in states
-        }
-        return Decision(request, ranking, credits)
+        table = ReplicaTable.of(states)
+        ranking = self.policy.rank(request, table)
+        credit = cache_credits(request, table)
+        if self.pulls:
+            credit = credit + pulled_token_column(request, table, self.pulls.min_blocks)
+        return Decision(request, ranking, table, credit)
 
     def routed(self, decision: Decision, replica_id: str) -> Booking:
         """The request went to ``replica_id`` (not always the first choice): book it."""
@@ -109,7 +167,7 @@ class RoutingCore:
         booking = Booking(
             replica_id=replica_id,
             request_id=request.request_id,
-            prefill_tokens=request.num_prompt_tokens - decision.credits.get(replica_id, 0),
+            prefill_tokens=request.num_prompt_tokens - decision.credit(replica_id),
             decode_blocks=request.decode_blocks,
             block_hashes=request.block_hashes,
         )

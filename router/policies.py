@@ -11,18 +11,26 @@ from __future__ import annotations
 
 import abc
 import bisect
-import hashlib
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvindex.records import ReplicaState, RoutingRequest
+import numpy as np
+
+from kvindex.hashing import id_hash
+from kvindex.records import ReplicaState, ReplicaTable, RoutingRequest
 
 
 def cache_credit(request: RoutingRequest, replica: ReplicaState) -> int:
     """Prompt tokens the replica will not have to compute: what it holds or will hold of
     the chain (published or predicted), capped because at least one token always runs."""
     return min(replica.held_blocks * request.block_size, request.usable_tokens)
+
+
+def cache_credits(request: RoutingRequest, replicas: ReplicaTable) -> np.ndarray:
+    """``cache_credit`` of every replica of a table."""
+    return np.minimum(replicas.held * request.block_size, request.usable_tokens)
 
 
 class RoutingPolicy(abc.ABC):
@@ -43,17 +51,41 @@ class RoutingPolicy(abc.ABC):
         return self.name
 
 
-def rendezvous_order(key: bytes, replica_ids: Sequence[str]) -> list[str]:
-    """Highest-random-weight order of replicas for a key.
+def rendezvous_weights(key: bytes, replicas: Sequence[str] | ReplicaTable) -> np.ndarray:
+    """Each replica's highest-random-weight for a key (uint64; the highest goes first).
 
-    Stable across processes (BLAKE2b, never ``hash()``). Adding or removing one of N
-    replicas moves only the keys whose first choice it is or becomes: about 1/N of them.
+    Stable across processes (BLAKE2b, never ``hash()``): the key and each replica id are
+    hashed once (an index mirror's answer carries the ids' hashes), then mixed per pair by
+    splitmix64's finalizer, so a thousand weights cost a few array operations. Adding or
+    removing one of N replicas moves only the keys whose first choice it is or becomes:
+    about 1/N of them.
     """
+    if isinstance(replicas, ReplicaTable):
+        ids_hash = replicas.id_hashes
+        if ids_hash is None:
+            ids_hash = replicas.id_hashes = _id_hashes(replicas.ids)
+    else:
+        ids_hash = _id_hashes(replicas)
+    x = ids_hash ^ np.uint64(id_hash(key))
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
-    def weight(rid: str) -> bytes:
-        return hashlib.blake2b(key + b"\x00" + rid.encode(), digest_size=8).digest()
 
-    return sorted(replica_ids, key=weight, reverse=True)
+def _id_hashes(ids: Sequence[str]) -> np.ndarray:
+    return np.array([_cached_id_hash(rid) for rid in ids], np.uint64)
+
+
+@functools.lru_cache(maxsize=65536)
+def _cached_id_hash(replica_id: str) -> int:
+    return id_hash(replica_id)
+
+
+def rendezvous_order(key: bytes, replica_ids: Sequence[str]) -> list[str]:
+    """Replicas in highest-random-weight order for a key (``rendezvous_weights``)."""
+    weights = rendezvous_weights(key, replica_ids)
+    return [replica_ids[i] for i in np.argsort(~weights, kind="stable")]
 
 
 @dataclass(frozen=True)

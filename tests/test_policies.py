@@ -208,7 +208,7 @@ def test_a_held_template_head_does_not_pull_every_new_prefix_onto_one_replica() 
     policy = cost_policy(decode_cost_tokens=0, new_prefix_slack=0.0)
     replicas = [state("a", cached_blocks=1, footprint_blocks=40), state("b", footprint_blocks=0)]
     assert policy.rank(req, replicas)[0] == "b"
-    assert policy.explain() == "prefill_cost new prefix: b a=53 b=69"
+    assert policy.explain() == "prefill_cost new prefix: b b=69 a=53"
     # but load still decides first: b busier by one token loses to a
     replicas[1] = state("b", footprint_blocks=0, booked_prefill_tokens=1)
     assert policy.rank(req, replicas)[0] == "a"
@@ -259,9 +259,9 @@ def test_dynamo_model_costs_prefill_blocks_after_overlap_plus_decode_blocks() ->
 def test_rendezvous_order_is_the_same_in_every_router_and_release() -> None:
     """Every ingress router ranks alone, so they agree only if the order is a fixed function
     of key and ids: these orders are pinned (a change of hash or digest size would move
-    keys between replicas during a rolling upgrade)."""
-    assert rendezvous_order(b"\x00" * 16, ["r0", "r1", "r2", "r3"]) == ["r2", "r3", "r0", "r1"]
-    assert rendezvous_order(b"key", list("abcde")) == ["b", "a", "d", "c", "e"]
+    keys between replicas during a rolling upgrade; the pairs are mixed by splitmix64)."""
+    assert rendezvous_order(b"\x00" * 16, ["r0", "r1", "r2", "r3"]) == ["r2", "r0", "r1", "r3"]
+    assert rendezvous_order(b"key", list("abcde")) == ["d", "a", "c", "b", "e"]
 
 
 def test_bounded_load_caps_at_the_ceiling_of_the_mean_with_the_new_request() -> None:
@@ -280,7 +280,7 @@ def test_round_robin_cycles_over_sorted_ids_from_the_first() -> None:
 def test_cache_aware_ranks_every_replica_by_uncached_work_load_and_cap() -> None:
     """Exact rankings: a replica holding nothing gets no credit; the load cap puts a replica
     last even when it holds the whole prompt; ties follow rendezvous order."""
-    req = request(5, num_blocks=8)  # 133 tokens; affinity order r0, r1, r2, r3
+    req = request(29, num_blocks=8)  # 133 tokens; affinity order r0, r1, r2, r3
     assert PrefixAffinity().rank(req, loads(0, 0, 0, 0)) == ["r0", "r1", "r2", "r3"]
     policy = CacheAware(BoundedLoad(epsilon=0.25), load_cost_tokens=64)
     answer = {"r0": 0, "r1": 1, "r2": 8, "r3": 0}  # work: 133, 117, 5, 133
@@ -293,10 +293,10 @@ def test_cache_aware_ranks_every_replica_by_uncached_work_load_and_cap() -> None
 def test_cache_aware_threshold_is_inclusive_and_zero_credit_is_always_affinity() -> None:
     """A cached share of exactly ``min_cached_fraction`` is enough to steer; no credit at all
     is affinity even when the fraction is 0 (then load alone would reorder replicas)."""
-    req = request(21, num_blocks=4, extra=0)  # 64 tokens: affinity order r0, r1, r2
+    req = request(29, num_blocks=4, extra=0)  # 64 tokens: affinity order r0, r1, r2
     policy = CacheAware(load_cost_tokens=64, min_cached_fraction=0.5)
     assert policy.rank(req, loads(0, 0, 0, answer={"r2": 2})) == ["r2", "r0", "r1"]  # 32 of 64
-    req = request(5, num_blocks=8)
+    req = request(29, num_blocks=8)
     unbounded = BoundedLoad(epsilon=10.0)  # nobody over the cap
     zero = CacheAware(unbounded, load_cost_tokens=64, min_cached_fraction=0.0)
     expected = PrefixAffinity(unbounded).rank(req, loads(0, 1, 0, 0))
@@ -342,4 +342,4 @@ def test_prefill_cost_edges_of_hit_stickiness_and_slack_are_inclusive() -> None:
         state("b", footprint_blocks=10, booked_prefill_tokens=69),
     ]
     assert slack.rank(short, near)[0] == "b"
-    assert slack.explain() == "prefill_cost new prefix: b a=69 b=138"
+    assert slack.explain() == "prefill_cost new prefix: b b=138 a=69"

@@ -107,7 +107,7 @@ def _staleness(config: IndexConfig, mirror: IndexMirror, repeats: int = 200) -> 
         block = os.urandom(16)
         start = time.perf_counter()
         writer.publish("replica-0", "epoch-1", [block])
-        while block not in mirror.state.holders:
+        while not mirror.state.holds("replica-0", block):
             time.sleep(0)
         seconds.append(time.perf_counter() - start)
         writer.publish("replica-0", "epoch-1", [], [block])
