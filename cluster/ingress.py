@@ -46,8 +46,14 @@ install_handlers(app)
 
 class Admission:
     """Requests this ingress has in the engines, capped so overload is refused at the door
-    (503 at once) instead of waiting in a queue: replicas x ``max_ongoing_requests`` plus
-    ``max_queued_requests`` (no cap when that is -1) for the whole cluster.
+    (503 at once) instead of waiting in a queue: engine replicas x ``max_ongoing_requests``
+    plus ``max_queued_requests`` (no cap when that is -1) for the whole cluster.
+
+    The engine replicas counted are the ones Serve runs (``replicas``, from the router:
+    scaling in place moves the cap), up at once and down only once the lower count has held
+    for ``DOWN_AFTER_S`` (a killed replica being replaced keeps its slots meanwhile); the
+    configured count while the router cannot tell; with autoscaling, ``max_replicas`` (a
+    cap at today's count would refuse the load that should scale it up).
 
     ``others`` tells how many requests the other ingress replicas have in the engines (their
     routers' shared bookings, from this router's mirror of the index: ``router.link``), so
@@ -55,21 +61,49 @@ class Admission:
     each ingress takes an even share of the cap (the proxy spreads requests over them).
     """
 
-    def __init__(self, args: ClusterArgs, others: Callable[[], int | None] = lambda: None) -> None:
-        queued = args.max_queued_requests
-        slots = args.max_engine_replicas * args.max_ongoing_requests
-        self.cluster_limit = None if queued < 0 else slots + queued
-        self.share = None if queued < 0 else -(-(slots + queued) // args.ingress_replicas)
-        self.others = others
+    DOWN_AFTER_S = 30.0
+
+    def __init__(
+        self,
+        args: ClusterArgs,
+        others: Callable[[], int | None] = lambda: None,
+        replicas: Callable[[], int | None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.args = args
+        self.others, self.replicas, self.clock = others, replicas, clock
+        self._count = args.max_engine_replicas
+        self._lately: list[tuple[float, int]] = []  # (until when, count) of recent counts
         self.in_flight = 0
+
+    def engine_replicas(self) -> int:
+        """The engine replicas the cap counts (the class docstring)."""
+        if self.args.autoscaling is not None:
+            return self.args.max_engine_replicas
+        now, count = self.clock(), self.replicas()
+        if count and count != self._count:
+            self._lately.append((now + self.DOWN_AFTER_S, self._count))
+            self._count = count
+        self._lately = [(until, n) for until, n in self._lately if until > now]
+        return max([self._count] + [n for _, n in self._lately])
+
+    @property
+    def cluster_limit(self) -> int | None:
+        queued = self.args.max_queued_requests
+        if queued < 0:
+            return None
+        return self.engine_replicas() * self.args.max_ongoing_requests + queued
 
     @property
     def limit(self) -> int | None:
         """What this ingress may still hold: the cluster's cap less the others' requests."""
-        if self.cluster_limit is None:
-            return None
-        others = self.others() if self.share != self.cluster_limit else 0
-        return self.share if others is None else self.cluster_limit - others
+        cluster = self.cluster_limit
+        if cluster is None or self.args.ingress_replicas == 1:
+            return cluster
+        others = self.others()
+        if others is None:
+            return -(-cluster // self.args.ingress_replicas)  # an even share
+        return cluster - others
 
     def enter(self, count: int = 1) -> None:
         """Take ``count`` slots (a batch of prompts takes one each), or refuse with 503."""
@@ -104,7 +138,9 @@ class Ingress:
         self.hasher = self.args.engine.block_hasher()
         self.model_id = self.args.engine.model_id
         self.started = int(time.time())
-        self.admission = Admission(self.args, link.LINK.others_in_flight)
+        self.admission = Admission(
+            self.args, link.LINK.others_in_flight, link.LINK.engine_replicas
+        )
         self.requests = RequestBuilder(self.args, self.hasher)
         auth.configure(self.args.api_keys)
         body_limit.configure(self.args.max_request_bytes)

@@ -31,6 +31,9 @@ class LinkedRouter(Protocol):
     def others_in_flight(self) -> int | None:
         """Requests the other routers have booked and not released (None: unknown)."""
 
+    def engine_replicas(self) -> int | None:
+        """The engine replicas Serve runs now (None: none known yet)."""
+
 
 class RouterLink:
     def __init__(self) -> None:
@@ -59,6 +62,11 @@ class RouterLink:
         """For the ingress's admission (thread-safe: read from the router's mirror)."""
         router = self._router
         return router.others_in_flight() if router is not None else None
+
+    def engine_replicas(self) -> int | None:
+        """For the ingress's admission cap (a length read, safe from any thread)."""
+        router = self._router
+        return router.engine_replicas() if router is not None else None
 
 
 LINK = RouterLink()

@@ -137,6 +137,10 @@ class PrefixAwareRequestRouter(RequestRouter):
             return None
         return self.mirror.state.shared_in_flight
 
+    def engine_replicas(self) -> int | None:
+        """The engine replicas Serve runs and routes to now (None before it told)."""
+        return len(self.curr_replicas) or None
+
     def reason(self, request_id: str) -> str | None:
         return self.stats.reason(request_id)
 

@@ -56,3 +56,33 @@ def test_without_a_view_of_the_others_each_takes_an_even_share() -> None:
 @pytest.mark.parametrize("ingress_replicas", [1, 2])
 def test_no_cap_when_nothing_may_queue_without_limit(ingress_replicas: int) -> None:
     assert admitted(Admission(args(ingress_replicas, queued=-1), others=lambda: 99)) == 20
+
+
+def test_the_cap_follows_the_engine_replicas_serve_runs() -> None:
+    """Scaling in place: 2 configured, 3 running moves the cap up at once; back to 2 it
+    comes down only after the lower count held 30 s (a killed replica being replaced keeps
+    its slots); unknown (None) keeps the last count."""
+    now = {"t": 0.0}
+    running: dict[str, int | None] = {"n": None}
+    admission = Admission(args(1), replicas=lambda: running["n"], clock=lambda: now["t"])
+    assert admission.cluster_limit == 2 * 4 + 4
+    running["n"] = 3
+    assert admission.cluster_limit == 3 * 4 + 4
+    assert admitted(admission) == 16
+    admission.leave(16)
+    running["n"] = 2
+    now["t"] = 1.0  # first seen 2 now
+    assert admission.cluster_limit == 16
+    now["t"] = 30.5
+    assert admission.cluster_limit == 16
+    now["t"] = 31.5
+    assert admission.cluster_limit == 12
+    running["n"] = None
+    assert admission.cluster_limit == 12
+
+
+def test_with_autoscaling_the_cap_counts_max_replicas() -> None:
+    fields = args(1).model_dump() | {"autoscaling": {"min_replicas": 1, "max_replicas": 5}}
+    autoscaled = ClusterArgs.model_validate(fields)
+    admission = Admission(autoscaled, replicas=lambda: 1)
+    assert admission.cluster_limit == 5 * 4 + 4
