@@ -31,6 +31,7 @@ from cluster.api.responses import ReleasingStreamingResponse, Reply
 from cluster.api.tools import template_messages, template_tools
 from cluster.config import ClusterArgs
 from cluster.engine_stream import EngineStream
+from cluster.metrics_share import MetricsShare
 from cluster.request_builder import RequestBuilder
 from replica.checkpoints import checkpoint_for
 from replica.messages import EngineRequest, RequestOutput
@@ -116,6 +117,14 @@ class Admission:
         self.in_flight -= count
 
 
+def _replica_name() -> str | None:
+    """This ingress replica's Serve id (None outside Serve)."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # not in a replica (a test building the class by hand)
+        return None
+
+
 async def first_chunks(streams: list[EngineStream]) -> list[RequestOutput]:
     """Every stream's first chunk, concurrently; on a failure the others are cancelled and
     the first error raised (nothing is left running in the engines)."""
@@ -138,15 +147,23 @@ class Ingress:
         self.hasher = self.args.engine.block_hasher()
         self.model_id = self.args.engine.model_id
         self.started = int(time.time())
-        self.admission = Admission(
-            self.args, link.LINK.others_in_flight, link.LINK.engine_replicas
-        )
+        self.admission = Admission(self.args, link.LINK.others_in_flight, link.LINK.engine_replicas)
         self.requests = RequestBuilder(self.args, self.hasher)
+        self.metrics_share = None  # with several ingress replicas: every one's in a scrape
+        if self.args.ingress_replicas > 1:
+            self.metrics_share = MetricsShare(
+                self.args.index, self.model_id, generate_latest, _replica_name()
+            ).start()
         auth.configure(self.args.api_keys)
         body_limit.configure(self.args.max_request_bytes)
         install_openapi(
             app, self.model_id, self.args.engine.shape.vocab_size, self.args.max_tokens_limit
         )
+
+    def __del__(self) -> None:  # Serve stops the replica: its metrics leave the others'
+        share = getattr(self, "metrics_share", None)
+        if share is not None:
+            share.stop()
 
     @app.get("/health")
     async def health(self) -> dict[str, str]:
@@ -166,7 +183,10 @@ class Ingress:
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(self) -> Response:
         link.LINK.snapshot()  # refreshes the per-replica gauges
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        if self.metrics_share is None:
+            return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        text = await asyncio.to_thread(self.metrics_share.merged)  # every ingress's, labelled
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/cluster/stats")
     async def cluster_stats(self) -> dict[str, Any]:

@@ -150,7 +150,9 @@ def index_answers(base_url: str) -> float:
     answered = 0.0
     for line in text.splitlines():
         for outcome in ("answered", "mirror"):
-            if line.startswith(f'prefix_serve_index_answers_total{{outcome="{outcome}"}}'):
+            if line.startswith("prefix_serve_index_answers_total{") and (
+                f'outcome="{outcome}"' in line  # summed over ingress replicas' labels
+            ):
                 answered += float(line.split()[-1])
     return answered
 
