@@ -26,7 +26,9 @@ import numpy as np
 WINDOW = 16
 SHARED = -1
 MAX_LOAD = 0.75
-GROWTH = 1.25  # a full table grows by a quarter: 60-75% of its cells hold keys
+CHUNK = 1 << 16  # keys placed at once
+GROWTH = 1.25
+RESERVED_LOAD = 0.7  # how full ``reserve`` leaves the table  # a full table grows by a quarter: 60-75% of its cells hold keys
 _OFFSETS = np.arange(WINDOW, dtype=np.uint64)
 
 
@@ -67,7 +69,7 @@ class HolderTable:
         """Each key's cell, or -1 where it is not in a cell."""
         if keys.size == 0:
             return np.zeros(0, np.int64)
-        window = ((keys >> np.uint64(1))[:, None] + _OFFSETS) % self.cap
+        window = self._windows(keys)
         hit = self.keys[window] == keys[:, None]
         cells = window[np.arange(keys.size), hit.argmax(axis=1)].astype(np.int64)
         return np.where(hit.any(axis=1), cells, -1)
@@ -122,7 +124,9 @@ class HolderTable:
         for key, cell in zip(keys[others].tolist(), cells[others].tolist(), strict=True):
             self.holder[cell] = self._joined(key, int(self.holder[cell]), slot)
         rest = keys[~found]
-        in_overflow = np.array([k in self.overflow for k in rest.tolist()], bool)
+        in_overflow = np.zeros(rest.size, bool)
+        if self.overflow:
+            in_overflow = np.isin(rest, np.fromiter(self.overflow, np.uint64, len(self.overflow)))
         for key in rest[in_overflow].tolist():
             self.overflow[key] = self._joined(key, self.overflow[key], slot)
         self._insert(rest[~in_overflow], slot)
@@ -149,9 +153,28 @@ class HolderTable:
         self._place(keys, np.full(keys.size, slot, np.int16))
 
     def _place(self, keys: np.ndarray, holders: np.ndarray) -> None:
-        """Put new keys in free cells of their windows (the overflow where none is free)."""
+        """Put new keys in free cells of their windows (the overflow where none is free),
+        ``CHUNK`` at a time (a window is 16 cells: a big batch's would not fit memory)."""
+        for first in range(0, keys.size, CHUNK):
+            self._place_chunk(keys[first : first + CHUNK], holders[first : first + CHUNK])
+
+    def _windows(self, keys: np.ndarray) -> np.ndarray:
+        """Each key's window of cells (one modulo per key, not per cell)."""
+        window = ((keys >> np.uint64(1)) % self.cap)[:, None] + _OFFSETS
+        return np.where(window >= self.cap, window - self.cap, window)
+
+    def _place_chunk(self, keys: np.ndarray, holders: np.ndarray) -> None:
+        home = (keys >> np.uint64(1)) % self.cap  # first, each key at its home if it is free
+        free_home = np.flatnonzero(self.keys[home] == 0)
+        cells, taken = np.unique(home[free_home], return_index=True)
+        taken = free_home[taken]
+        self.keys[cells], self.holder[cells] = keys[taken], holders[taken]
+        self.used += cells.size
+        left = np.ones(keys.size, bool)
+        left[taken] = False
+        keys, holders = keys[left], holders[left]
         while keys.size:
-            window = ((keys >> np.uint64(1))[:, None] + _OFFSETS) % self.cap
+            window = self._windows(keys)
             free = self.keys[window] == 0
             room = free.any(axis=1)
             for key, holder in zip(keys[~room].tolist(), holders[~room].tolist(), strict=True):
@@ -164,6 +187,12 @@ class HolderTable:
             left = np.ones(keys.size, bool)
             left[taken] = False
             keys, holders = keys[left], holders[left]
+
+    def reserve(self, more: int) -> None:
+        """Room for ``more`` new keys without growing meanwhile (a snapshot knows how many
+        blocks it brings: one rebuild instead of one per quarter grown)."""
+        if self.used + more > MAX_LOAD * self.keys.size:
+            self._rebuild(int((self.used + more) / RESERVED_LOAD) + 1, more)
 
     def remove(self, slot: int, keys: np.ndarray) -> None:
         """``slot`` no longer holds ``keys`` (those it does not hold are ignored)."""

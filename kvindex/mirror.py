@@ -151,6 +151,7 @@ class IndexMirror:
         fresh = MirrorState(self.router_id)
         fresh.seq = int(seq)
         rids = list(registry)
+        fresh.reserve(self._count_blocks(rids))  # one table for the whole snapshot
         for first in range(0, len(rids), SNAPSHOT_CHUNK):  # bounded replies, each in time
             chunk = rids[first : first + SNAPSHOT_CHUNK]
             pipe = self._redis.pipeline(transaction=False)
@@ -175,6 +176,12 @@ class IndexMirror:
         self._heard = time.monotonic()
         self._next_live = 0.0
         self.counters.resyncs += 1
+
+    def _count_blocks(self, rids: list[str]) -> int:
+        pipe = self._redis.pipeline(transaction=False)
+        for rid in rids:
+            pipe.scard(f"{self.namespace}:r:{rid}")
+        return sum(pipe.execute()) if rids else 0
 
     def _poll_live(self) -> None:
         sent = time.time() * 1000

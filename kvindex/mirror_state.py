@@ -89,6 +89,10 @@ class MirrorState:
     def remove(self, rid: str, blocks: Iterable[bytes]) -> None:
         self.holders.remove(self._slot_of(rid), block_keys(list(blocks)))
 
+    def reserve(self, blocks: int) -> None:
+        """Room for ``blocks`` more (a snapshot's next replicas)."""
+        self.holders.reserve(blocks)
+
     def blocks_held(self, rid: str) -> int:
         """The distinct blocks ``rid`` has published (its footprint)."""
         slot = self._slot.get(rid)

@@ -304,11 +304,13 @@ def test_a_reset_is_reported_once_as_cleared() -> None:
     )
 
 
-def test_a_released_sequence_holds_nothing_and_a_fork_of_it_gets_nothing() -> None:
+def test_a_released_sequence_holds_nothing_and_a_fork_of_it_is_refused() -> None:
     """Release (finish, abort, preemption) empties a sequence's table and its counts: it has
     computed and published nothing any more. Choices fork from a parent that may have been
-    preempted in the step that sampled its first token; the child then starts empty too
-    (both recompute, from whatever the cache still holds)."""
+    released in the step that sampled its first token (it ended there, or was preempted);
+    the fork is then refused, changing nothing, and the child waits to recompute its prompt
+    (from whatever the cache still holds): a running child with no blocks would crash the
+    next step."""
     bm = manager()
     parent = seq(list(range(6)), "p")
     run_prefill(bm, parent)
@@ -316,6 +318,6 @@ def test_a_released_sequence_holds_nothing_and_a_fork_of_it_gets_nothing() -> No
     assert parent.block_table == []
     assert parent.num_computed_tokens == 0 and parent.num_published_blocks == 0
     child = seq(list(range(6)), "p#1")
-    assert bm.fork(parent, child)
+    assert not bm.fork(parent, child)
     assert child.block_table == [] and child.num_computed_tokens == 0
     assert bm.take_copies() == [] and bm.allocator.num_in_use == 0

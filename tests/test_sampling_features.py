@@ -170,3 +170,25 @@ def test_extreme_parameters_sample_a_token_and_never_fail_the_step(temperature: 
     assert [len(o.token_ids) for o in outs] == [4, 4]
     assert 2 not in outs[0].token_ids
     engine.check_invariants()
+
+
+def test_the_other_choices_go_on_when_choice_0_ends_on_its_first_token() -> None:
+    """Choice 0 stops at its first token (a stop id only it samples): its blocks are
+    released before the others fork from it, so they must recompute the prompt (from the
+    prefix cache) instead of sharing blocks it no longer has; each still equals its own
+    separate seeded request, and every block comes back."""
+    base = SamplingParams(max_tokens=5, temperature=1.0, seed=11, ignore_eos=True)
+    first = [
+        Engine(tiny()).generate([PROMPT], base.for_choice(i).model_copy(update={"max_tokens": 1}))
+        for i in range(3)
+    ]
+    firsts = [out[0].token_ids[0] for out in first]
+    assert firsts[0] not in firsts[1:]  # the seed makes choice 0's first token its own
+    params = base.model_copy(update={"n": 3, "stop_token_ids": (firsts[0],)})
+    engine = Engine(tiny())
+    outs = engine.generate_choices(PROMPT, params)
+    assert len(outs[0].token_ids) == 1 and max(len(o.token_ids) for o in outs[1:]) == 5
+    separate = [Engine(tiny()).generate([PROMPT], params.for_choice(i))[0] for i in range(3)]
+    assert [o.token_ids for o in outs] == [s.token_ids for s in separate]
+    engine.check_invariants()
+    assert engine.stats().blocks_in_use == 0

@@ -456,3 +456,33 @@ def test_round_robin_alternates(redis_server: LocalRedis, cluster: ServeCluster)
         ):
             assert time.monotonic() < deadline, "a replica stopped by SIGTERM stayed registered"
             time.sleep(0.2)
+
+
+def test_two_ingress_replicas_are_one_in_metrics_and_admission(
+    redis_server: LocalRedis, cluster: ServeCluster
+) -> None:
+    """Two ingress replicas with mirrors: a scrape of either shows both, labelled by
+    ingress, and summed they count every request (tests/test_admission.py holds their
+    one admission cap)."""
+    cluster.stop()  # one cluster at a time on two cores
+    index = IndexConfig(url=redis_server.url, cluster="e2e-two", mirror=True)
+    args = cluster_args(redis_server.url, "prefill_cost").model_copy(
+        update={"index": index, "ingress_replicas": 2, "ingress_num_cpus": 0.05}
+    )
+    with ServeCluster(args) as two:
+        two_client = openai.OpenAI(base_url=f"{two.base_url}/v1", api_key="x", max_retries=0)
+        for i in range(8):
+            chat(two_client, SYSTEM, f"two ingresses {i}?")
+        deadline = time.monotonic() + 30
+        while True:  # each ingress shares its metrics every 5 s
+            per_ingress = {}
+            text = httpx.get(f"{two.base_url}/metrics").text
+            for line in text.splitlines():
+                if line.startswith("prefix_serve_requests_total{"):
+                    ingress = re.search(r'ingress="([^"]+)"', line).group(1)
+                    per_ingress[ingress] = per_ingress.get(ingress, 0) + float(line.split()[-1])
+            if len(per_ingress) == 2 and sum(per_ingress.values()) == 8:
+                break
+            assert time.monotonic() < deadline, per_ingress
+            time.sleep(1)
+        assert "prefix_serve_replica_blocks_free{replica=" in text  # unlabelled, not doubled

@@ -34,6 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--blocks-per-replica", type=int, default=1024, help="with --scale")
     parser.add_argument(
+        "--full-scale-blocks",
+        type=int,
+        default=100_000,
+        help="with --scale, at 1,024 replicas and more: blocks per replica in the mirror's "
+        "memory at full scale (its holder table alone, no Redis)",
+    )
+    parser.add_argument(
         "--routers", type=int, default=8, help="with --scale: mirrors following the log"
     )
 

@@ -16,9 +16,11 @@ import time
 import tracemalloc
 from typing import Any
 
+import numpy as np
 import redis
 
 from kvindex.config import IndexConfig
+from kvindex.holder_table import HolderTable
 from kvindex.mirror import IndexMirror
 from kvindex.reader import IndexReader
 from kvindex.records import Booking, RoutingRequest
@@ -51,6 +53,7 @@ def measure_mirror(
         "mirror_memory_mb": memory / 2**20,
         "mirror_bytes_per_block": memory / blocks,
         "snapshot_s": snapshot_s,
+        "mirror_at_full_scale": holders_memory(n, args.full_scale_blocks) if n >= 1024 else None,
         "staleness_p50_ms": percentile(staleness, 50) * 1e3,
         "staleness_p99_ms": percentile(staleness, 99) * 1e3,
         "followers": routed,
@@ -198,3 +201,33 @@ async def _book_cycle(reader: IndexReader, booking: Booking) -> None:
     await reader.abook(booking, predict_ttl_s=5.0, booking_ttl_s=60.0)
     await reader.aprefill_done(booking.replica_id, booking.request_id)
     await reader.arelease(booking.replica_id, booking.request_id)
+
+
+def holders_memory(replicas: int, blocks_per_replica: int, seed: int = 0) -> dict[str, float]:
+    """What the mirror's block -> holders table takes at full scale (``replicas`` x
+    ``blocks_per_replica``, every replica holding two shared head blocks and the rest its
+    own), filled as a snapshot fills it (sized once, then replica by replica); no Redis (Redis would need
+    the same index twice over to serve it). Peak: the arrays while the table grows."""
+    rng = np.random.default_rng(seed)
+    head = rng.integers(1, 2**63, 2, dtype=np.uint64) | np.uint64(1)
+    table = HolderTable()
+    gc.collect()
+    tracemalloc.start()
+    start = time.perf_counter()
+    table.reserve(replicas * blocks_per_replica)  # as a snapshot does, from the sets' sizes
+    for slot in range(replicas):
+        own = rng.integers(1, 2**63, blocks_per_replica - 2, dtype=np.uint64) | np.uint64(1)
+        table.add(slot, np.concatenate([head, own]))
+    fill_s = time.perf_counter() - start
+    current, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    entries = replicas * blocks_per_replica
+    return {
+        "replicas": replicas,
+        "blocks_per_replica": blocks_per_replica,
+        "memory_mb": current / 2**20,
+        "bytes_per_entry": current / entries,
+        "peak_mb": peak / 2**20,
+        "fill_s": fill_s,
+        "cells_used": len(table) / table.keys.size,
+    }

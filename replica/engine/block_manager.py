@@ -81,9 +81,13 @@ class BlockManager:
         """Give ``child`` the computed context of ``parent`` (another choice of the same
         request): it shares every full block and gets its own copy of the partial last one
         (copy-on-write: both will write their next token there), copied before the next
-        forward pass. False, changing nothing, if no block is available for the copy."""
+        forward pass. False, changing nothing, if no block is available for the copy, or if
+        ``parent`` no longer holds its context (it ended on its first token and was released:
+        the child then recomputes its prompt, which the prefix cache serves)."""
         bs = self.block_size
         full, partial = divmod(parent.num_computed_tokens, bs)
+        if not parent.block_table:  # released (``release`` zeroes its computed tokens too)
+            return False
         if partial and self.allocator.num_available < 1:
             return False
         shared = parent.block_table[:full]
