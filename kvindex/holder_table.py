@@ -27,8 +27,8 @@ WINDOW = 16
 SHARED = -1
 MAX_LOAD = 0.75
 CHUNK = 1 << 16  # keys placed at once
-GROWTH = 1.25
-RESERVED_LOAD = 0.7  # how full ``reserve`` leaves the table  # a full table grows by a quarter: 60-75% of its cells hold keys
+GROWTH = 1.25  # a full table grows by a quarter: 60-75% of its cells hold keys
+RESERVED_LOAD = 0.7  # how full ``reserve`` leaves the table
 _OFFSETS = np.arange(WINDOW, dtype=np.uint64)
 
 

@@ -8,11 +8,18 @@ Scenarios (``--scenarios``, all by default), each on a fresh cluster (the defaul
 * ``repeated_kills``: a replica is killed every ``--kill-every-s`` seconds, ``--kills`` times.
 * ``scale_down``: the engine deployment goes from 3 replicas to 2 under load.
 * ``redis_slow``: Redis stalls (``DEBUG SLEEP``) again and again under load.
+* ``events_lost``: the index's log skips sequence numbers under load (events a router's
+  mirror never sees): every mirror notices the gap and takes a fresh snapshot.
+* ``router_restart``: two ingress replicas (each a router with its mirror of the index);
+  one ingress process is killed (SIGKILL) under load and Serve starts another, whose new
+  mirror snapshots the index and routes from it.
 * ``overload``: open-loop load far above capacity.
 * ``soak``: mixed workloads for ``--soak-s`` seconds.
 
 Each reports requests ok / failed / lost (never answered), recovery times, and what the
-replicas' own audits say about their block accounting once idle.
+replicas' own audits say about their block accounting once idle. ``--index`` sets
+``IndexConfig`` fields for every scenario (e.g. ``{"mirror": true}``); ``events_lost`` and
+``router_restart`` always run with mirrors.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from bench.harness.scenario import (
     Scenario,
     fault_trace,
     index_answers,
+    index_answers_by_ingress,
     probe,
     resume_counts,
     wait_for,
@@ -46,6 +54,8 @@ SCENARIOS = (
     "repeated_kills",
     "scale_down",
     "redis_slow",
+    "events_lost",
+    "router_restart",
     "overload",
     "soak",
 )
@@ -59,10 +69,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--soak-rate", type=float, default=1.5, help="below capacity, per s")
     parser.add_argument("--kills", type=int, default=6, help="repeated_kills: how many")
     parser.add_argument("--kill-every-s", type=float, default=10.0)
+    parser.add_argument("--index", help='IndexConfig overrides, JSON, e.g. {"mirror": true}')
+
+
+def _scenario(args: argparse.Namespace, **kwargs: Any) -> Scenario:
+    """A scenario's cluster with ``--index``'s overrides (and the scenario's own)."""
+    index = {**json.loads(args.index or "{}"), **kwargs.pop("index", {})}
+    return Scenario(index=index, **kwargs)
 
 
 def redis_kill(args: argparse.Namespace) -> dict[str, Any]:
-    with Scenario() as s:
+    with _scenario(args) as s:
         trace = fault_trace(args.rate, args.duration_s)
         s.load(trace)
         time.sleep(args.duration_s * 0.25)
@@ -99,7 +116,7 @@ def redis_kill(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def replica_kill(args: argparse.Namespace) -> dict[str, Any]:
-    with Scenario() as s:
+    with _scenario(args) as s:
         trace = fault_trace(args.rate, args.duration_s)
         s.load(trace)
         time.sleep(args.duration_s * 0.3)
@@ -138,7 +155,7 @@ def replica_kill(args: argparse.Namespace) -> dict[str, Any]:
 
 def repeated_kills(args: argparse.Namespace) -> dict[str, Any]:
     """A replica killed every ``--kill-every-s`` under load, ``--kills`` times."""
-    with Scenario() as s:
+    with _scenario(args) as s:
         trace = fault_trace(args.rate, args.kill_every_s * (args.kills + 1))
         s.load(trace)
         resumes, victims = resume_counts(s.cluster.base_url), []
@@ -157,7 +174,7 @@ def repeated_kills(args: argparse.Namespace) -> dict[str, Any]:
 def scale_down(args: argparse.Namespace) -> dict[str, Any]:
     """The engine deployment goes from 3 replicas to 2 (``serve deploy``, in place) under
     load: one replica drains, the two others keep serving (and keep their caches)."""
-    with Scenario(num_replicas=3) as s:
+    with _scenario(args, num_replicas=3) as s:
         trace = fault_trace(args.rate, args.duration_s)
         s.load(trace)
         time.sleep(args.duration_s * 0.3)
@@ -182,7 +199,7 @@ def _resumes_since(s: Scenario, before: dict[str, float]) -> dict[str, float]:
 
 
 def redis_slow(args: argparse.Namespace) -> dict[str, Any]:
-    with Scenario() as s:
+    with _scenario(args) as s:
         trace = fault_trace(args.rate, args.duration_s)
         stop = threading.Event()
 
@@ -208,8 +225,67 @@ def redis_slow(args: argparse.Namespace) -> dict[str, Any]:
         )
 
 
+def _mirror(s: Scenario) -> dict[str, Any]:
+    return s.cluster.stats().get("mirror") or {}
+
+
+def events_lost(args: argparse.Namespace) -> dict[str, Any]:
+    """The log's sequence jumps by 5 (five events no mirror will ever read) under load: the
+    router's mirror must see the gap, resync from a snapshot, and keep routing."""
+    with _scenario(args, index={"mirror": True}) as s:
+        trace = fault_trace(args.rate, args.duration_s)
+        s.load(trace)
+        time.sleep(args.duration_s * 0.3)
+        before = _mirror(s)
+        client = redis.Redis.from_url(s.redis.url)
+        client.incrby(f"{s.index.namespace}:evseq", 5)
+        lost = time.monotonic()
+        resynced = wait_for(lambda: _mirror(s).get("gaps", 0) > before.get("gaps", 0), 60)
+        s.wait_load()
+        answers = index_answers_by_ingress(s.cluster.base_url)
+        return s.report(
+            trace,
+            gap_seen_and_resynced_s=resynced,
+            mirror_before=before,
+            mirror_after=_mirror(s),
+            index_answers=answers,
+            since_loss_s=time.monotonic() - lost,
+        )
+
+
+def router_restart(args: argparse.Namespace) -> dict[str, Any]:
+    """Two ingress replicas; one's process SIGKILLed under load. Its cut streams fail (the
+    client held an HTTP connection to that process); Serve starts a new ingress, whose
+    router snapshots the index into a new mirror: converged once it decides from it."""
+    with _scenario(args, index={"mirror": True}, ingress_replicas=2) as s:
+        trace = fault_trace(args.rate, args.duration_s)
+        s.load(trace)
+        time.sleep(args.duration_s * 0.3)
+        before = set(index_answers_by_ingress(s.cluster.base_url))
+        victim = s.cluster.replica_pids("Ingress")[0]
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        replaced = wait_for(
+            lambda: len(set(s.cluster.replica_pids("Ingress")) - {victim}) >= 2, 120
+        )
+
+        def new_router_decides() -> bool:  # a new ingress's decisions come from its mirror
+            answers = index_answers_by_ingress(s.cluster.base_url)
+            return any(answers[i].get("mirror", 0) > 0 for i in set(answers) - before)
+
+        converged = wait_for(new_router_decides, 120)
+        s.wait_load()
+        return s.report(
+            trace,
+            ingress_replaced_s=replaced,
+            new_router_converged_s=converged,
+            index_answers=index_answers_by_ingress(s.cluster.base_url),
+            since_kill_s=time.monotonic() - killed,
+        )
+
+
 def overload(args: argparse.Namespace) -> dict[str, Any]:
-    with Scenario(max_queued_requests=32) as s:
+    with _scenario(args, max_queued_requests=32) as s:
         rss_before = {r: st["rss_mb"] for r, st in s.stats().items()}
         trace = fault_trace(40.0, 10.0, workload="chat", seed=3)
         s.load(trace)
@@ -228,7 +304,7 @@ def overload(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def soak(args: argparse.Namespace) -> dict[str, Any]:
-    with Scenario() as s:
+    with _scenario(args) as s:
         rate = args.soak_rate / 3
         traces = [
             fault_trace(rate, args.soak_s, workload=w, seed=i)
@@ -251,7 +327,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = args.out or Path("results/faults")
     runners = {
         f.__name__: f
-        for f in (redis_kill, replica_kill, repeated_kills, scale_down, redis_slow, overload, soak)
+        for f in (
+            redis_kill,
+            replica_kill,
+            repeated_kills,
+            scale_down,
+            redis_slow,
+            events_lost,
+            router_restart,
+            overload,
+            soak,
+        )
     }
     report: dict[str, Any] = {}
     for name in args.scenarios.split(","):

@@ -183,6 +183,19 @@ class ServeCluster:
         """The processes of this cluster's own Ray (none when it joined a given address)."""
         return self._ray.pids() if self._ray is not None else []
 
+    def replica_pids(self, deployment: str) -> list[int]:
+        """This cluster's replica processes of one deployment (``Ingress``, ``EngineReplica``),
+        by their process titles (``ray::SERVE_REPLICA::llm#Ingress#...``)."""
+        found = []
+        for pid in self.ray_pids():
+            try:
+                title = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if f"#{deployment}#".encode() in title and b"SERVE_REPLICA" in title:
+                found.append(pid)
+        return found
+
     def dashboard_url(self) -> str:
         """This cluster's Ray dashboard (its own Ray's, or read from ``serve run``'s log)."""
         if self._ray is not None:

@@ -206,8 +206,8 @@ async def _book_cycle(reader: IndexReader, booking: Booking) -> None:
 def holders_memory(replicas: int, blocks_per_replica: int, seed: int = 0) -> dict[str, float]:
     """What the mirror's block -> holders table takes at full scale (``replicas`` x
     ``blocks_per_replica``, every replica holding two shared head blocks and the rest its
-    own), filled as a snapshot fills it (sized once, then replica by replica); no Redis (Redis would need
-    the same index twice over to serve it). Peak: the arrays while the table grows."""
+    own), filled as a snapshot fills it (sized once, then replica by replica); no Redis
+    (Redis would need the same index twice over to serve it). Peak: while it fills."""
     rng = np.random.default_rng(seed)
     head = rng.integers(1, 2**63, 2, dtype=np.uint64) | np.uint64(1)
     table = HolderTable()

@@ -4,6 +4,7 @@ driving it, and what every scenario reports (request counts and the replicas' id
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -25,14 +26,23 @@ from replica.engine.stats import percentile
 class Scenario:
     """One fresh cluster with its own Redis, and the load thread driving it."""
 
-    def __init__(self, max_queued_requests: int = -1, num_replicas: int = 2) -> None:
+    def __init__(
+        self,
+        max_queued_requests: int = -1,
+        num_replicas: int = 2,
+        index: dict[str, Any] | None = None,
+        ingress_replicas: int = 1,
+    ) -> None:
         self.redis = LocalRedis().start()
+        index_config = IndexConfig(url=self.redis.url, cluster="faults", **(index or {}))
         self.args = ClusterArgs(
             num_replicas=num_replicas,
             replica_num_cpus=min(0.5, 1.5 / num_replicas),
+            ingress_replicas=ingress_replicas,
+            ingress_num_cpus=0.1 / ingress_replicas,
             engine=fast_engine(TINY_MODEL, num_blocks=640),
             max_queued_requests=max_queued_requests,
-            index=IndexConfig(url=self.redis.url, cluster="faults"),
+            index=index_config,
         )
         self.cluster = ServeCluster(self.args).start()
         # the harness's own reads wait longer than a router's 250 ms: on 2 busy cores a
@@ -142,6 +152,19 @@ def wait_for(condition: Callable[[], bool], timeout_s: float) -> float | None:
             return time.monotonic() - start
         time.sleep(0.2)
     return None
+
+
+def index_answers_by_ingress(base_url: str) -> dict[str, dict[str, float]]:
+    """Each ingress's decisions by index outcome (``answered``, ``mirror``, ``unknown``),
+    from one scrape (with several ingress replicas every one's series are in it)."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    found: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        if line.startswith("prefix_serve_index_answers_total{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
+            outcomes = found.setdefault(labels.get("ingress", ""), {})
+            outcomes[labels["outcome"]] = float(line.split()[-1])
+    return found
 
 
 def index_answers(base_url: str) -> float:
