@@ -47,6 +47,7 @@ class MirrorState:
         self._live_slots: np.ndarray | None = None
         self._live_array: np.ndarray | None = None
         self._live_mask = 0
+        self._live_positions: dict[str, int] = {}
         self._live_position = np.zeros(0, np.int64)
         self._slot: dict[str, int] = {}
         self._rid: dict[int, str] = {}
@@ -190,7 +191,11 @@ class MirrorState:
         }
         assert set(columns) == set(COLUMNS)
         table = ReplicaTable(
-            self.live, columns, id_hashes=self.id_hashes[slots], id_array=self._live_array
+            self.live,
+            columns,
+            id_hashes=self.id_hashes[slots],
+            id_array=self._live_array,
+            positions=self._live_positions,
         )
         return TableAnswer(table)
 
@@ -198,6 +203,7 @@ class MirrorState:
         """What every answer needs of the live set: slots, their bitmask, each slot's place."""
         slots = np.array([self._slot_of(rid) for rid in self.live], np.int64)
         self._live_array = np.array(self.live, dtype=object)
+        self._live_positions = {rid: k for k, rid in enumerate(self.live)}
         bits = np.zeros(int(slots.max(initial=0)) + 8, np.uint8)
         bits[slots] = 1
         self._live_mask = int.from_bytes(np.packbits(bits, bitorder="little").tobytes(), "little")

@@ -115,6 +115,7 @@ class ReplicaTable(Sequence[ReplicaState]):
         states: Sequence[ReplicaState] | None = None,
         id_hashes: np.ndarray | None = None,
         id_array: np.ndarray | None = None,
+        positions: dict[str, int] | None = None,
     ) -> None:
         self.ids = ids if isinstance(ids, list) else list(ids)  # never changed in place
         self._id_array = id_array
@@ -122,7 +123,8 @@ class ReplicaTable(Sequence[ReplicaState]):
         self._columns = dict(columns) if columns is not None else None
         self._states = list(states) if states is not None else None
         self.id_hashes = id_hashes
-        self._positions: dict[str, int] | None = None
+        self._positions = positions  # id -> index (a mirror passes the one it keeps)
+        self._held: np.ndarray | None = None
         assert self._columns is not None or self._states is not None
 
     @classmethod
@@ -144,19 +146,28 @@ class ReplicaTable(Sequence[ReplicaState]):
 
     @property
     def held(self) -> np.ndarray:
-        """``ReplicaState.held_blocks`` of each."""
-        return np.maximum(self.column("cached_blocks"), self.column("predicted_blocks"))
+        """``ReplicaState.held_blocks`` of each (computed once: the columns never change)."""
+        if self._held is None:
+            self._held = np.maximum(self.column("cached_blocks"), self.column("predicted_blocks"))
+        return self._held
 
     def with_columns(self, **columns: np.ndarray) -> ReplicaTable:
         """A copy with some columns replaced (its states are built anew where asked)."""
         merged = {c: self.column(c) for c in COLUMNS} | columns
         return ReplicaTable(
-            self.ids, merged, self.known, id_hashes=self.id_hashes, id_array=self._id_array
+            self.ids,
+            merged,
+            self.known,
+            id_hashes=self.id_hashes,
+            id_array=self._id_array,
+            positions=self._positions,
         )
 
     def take(self, ids: Sequence[str]) -> ReplicaTable:
-        """The table for ``ids`` in that order; an id it lacks gets zeros."""
-        if list(ids) == self.ids:
+        """The table for ``ids``; an id it lacks gets zeros. The same replicas in another
+        order are this table as it is (every ranking breaks ties by rendezvous weights,
+        never by list order, so the order of the candidates changes no decision)."""
+        if ids is self.ids or len(ids) == len(self.ids) and set(ids) == self.positions.keys():
             return self
         where = self.positions
         pos = np.array([where.get(rid, -1) for rid in ids], np.int64)

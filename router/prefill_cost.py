@@ -101,7 +101,8 @@ class PrefillCost(RoutingPolicy):
         credits = cache_credits(request, table)
         held = table.held
         most = np.flatnonzero(held == held.max())
-        holder = int(most[np.argmin(costs[most])])  # holds the most; cheapest; first listed
+        most = most[costs[most] == costs[most].min()]
+        holder = int(most[np.argmax(weights[most])])  # holds the most; cheapest; rendezvous
         if credits[holder] >= max(
             request.block_size, self.knobs.min_hit_fraction * request.usable_tokens
         ):

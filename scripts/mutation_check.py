@@ -83,6 +83,21 @@ MUTATIONS = [
     ("a mirror counts its own router's shared bookings", "kvindex/mirror_state.py",
      "        if router == self.own_router:\n            return\n", "",
      "test_index_mirror.py::test_routers_see_each_others_shared_bookings_until_they_lapse"),
+    ("a mirror's answer leaves the other routers' shares out", "kvindex/mirror_state.py",
+     "        load = self.loads[slots] + self.shared[slots]", "        load = self.loads[slots]",
+     "test_index_mirror.py::test_routers_see_each_others_shared_bookings_until_they_lapse"),
+    ("the holder table forgets a block's first holder when a second comes",
+     "kvindex/holder_table.py",
+     "        self.shared[key] = (1 << holder) | bit", "        self.shared[key] = bit | bit",
+     "test_holder_table.py::"
+     "test_the_table_holds_what_a_dict_of_sets_holds_after_random_changes"),
+    ("the admission cap ignores the engine replicas Serve runs", "cluster/ingress.py",
+     "        if count and count != self._count:", "        if False:",
+     "test_admission.py::test_the_cap_follows_the_engine_replicas_serve_runs"),
+    ("a choice forks from a parent already released", "replica/engine/block_manager.py",
+     "        if not parent.block_table:  # released", "        if False:  # released",
+     "test_block_manager.py::"
+     "test_a_released_sequence_holds_nothing_and_a_fork_of_it_is_refused"),
 ]  # fmt: skip
 ASSERTION = re.compile(r"^E\s+(AssertionError|assert )", re.M)
 
