@@ -167,7 +167,7 @@ class ReplicaTable(Sequence[ReplicaState]):
         """The table for ``ids``; an id it lacks gets zeros. The same replicas in another
         order are this table as it is (every ranking breaks ties by rendezvous weights,
         never by list order, so the order of the candidates changes no decision)."""
-        if ids is self.ids or len(ids) == len(self.ids) and set(ids) == self.positions.keys():
+        if ids is self.ids or (len(ids) == len(self.ids) and set(ids) == self.positions.keys()):
             return self
         where = self.positions
         pos = np.array([where.get(rid, -1) for rid in ids], np.int64)
