@@ -12,6 +12,7 @@ application only: the Ray cluster belongs to whoever started it.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -185,14 +186,18 @@ class ServeCluster:
 
     def replica_pids(self, deployment: str) -> list[int]:
         """This cluster's replica processes of one deployment (``Ingress``, ``EngineReplica``),
-        by their process titles (``ray::SERVE_REPLICA::llm#Ingress#...``)."""
+        by their process titles (``ray::ServeReplica:llm:Ingress``, with ``.<method>`` while
+        busy; ``ray::SERVE_REPLICA::llm#Ingress#...`` while it starts)."""
         found = []
         for pid in self.ray_pids():
             try:
                 title = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if f"#{deployment}#".encode() in title and b"SERVE_REPLICA" in title:
+            if re.search(
+                rf"(SERVE_REPLICA::.*#{deployment}#|ServeReplica:[^:]*:{deployment}\b)".encode(),
+                title,
+            ):
                 found.append(pid)
         return found
 
