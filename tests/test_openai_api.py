@@ -165,10 +165,22 @@ def test_logit_bias_min_tokens_and_stop_token_ids(client) -> None:
     )
     assert held.choices[0].finish_reason == "stop"
     assert held.usage.completion_tokens == 4 and "Z" not in held.choices[0].text
-    for penalties in ({"presence_penalty": 1.5}, {"frequency_penalty": 1.5}):
-        assert complete(client, max_tokens=4, **penalties).usage.completion_tokens == 4
-    again = complete(client, max_tokens=4, extra_body={"repetition_penalty": 1.3})
-    assert again.usage.completion_tokens == 4
+
+
+def test_each_penalty_alone_turns_greedy_text_away_from_repeats(client) -> None:
+    """Greedy text of the tiny model repeats a token within 16; each penalty, sent alone,
+    must change that text (a server that accepted and ignored one would return it as is)."""
+    plain = {"max_tokens": 16, "temperature": 0}
+    greedy = complete(client, **plain, extra_body={"ignore_eos": True}).choices[0].text
+    for penalty in (
+        {"presence_penalty": 1.5},
+        {"frequency_penalty": 1.5},
+        {"extra_body": {"repetition_penalty": 1.3}},
+    ):
+        extra = {"ignore_eos": True, **penalty.pop("extra_body", {})}
+        reply = complete(client, **plain, **penalty, extra_body=extra)
+        assert reply.usage.completion_tokens == 16
+        assert reply.choices[0].text != greedy, penalty
 
 
 def test_api_keys_never_share_cached_prefixes_on_one_replica(cluster: ServeCluster) -> None:
