@@ -22,14 +22,9 @@ from kvindex.hashing import id_hash
 from kvindex.records import ReplicaState, ReplicaTable, RoutingRequest
 
 
-def cache_credit(request: RoutingRequest, replica: ReplicaState) -> int:
-    """Prompt tokens the replica will not have to compute: what it holds or will hold of
-    the chain (published or predicted), capped because at least one token always runs."""
-    return min(replica.held_blocks * request.block_size, request.usable_tokens)
-
-
 def cache_credits(request: RoutingRequest, replicas: ReplicaTable) -> np.ndarray:
-    """``cache_credit`` of every replica of a table."""
+    """Prompt tokens each replica will not have to compute: what it holds or will hold of
+    the chain (published or predicted), capped because at least one token always runs."""
     return np.minimum(replicas.held * request.block_size, request.usable_tokens)
 
 
