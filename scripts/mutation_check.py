@@ -86,9 +86,10 @@ MUTATIONS = [
     ("a mirror's answer leaves the other routers' shares out", "kvindex/mirror_state.py",
      "        load = self.loads[slots] + self.shared[slots]", "        load = self.loads[slots]",
      "test_index_mirror.py::test_routers_see_each_others_shared_bookings_until_they_lapse"),
-    ("the holder table forgets a block's first holder when a second comes",
+    ("the holder table does not count a block's second holder",
      "kvindex/holder_table.py",
-     "        self.shared[key] = (1 << holder) | bit", "        self.shared[key] = bit | bit",
+     "        self.shared[key] = (1 << holder) | bit\n        self.count[slot] += 1\n",
+     "        self.shared[key] = (1 << holder) | bit\n",
      "test_holder_table.py::"
      "test_the_table_holds_what_a_dict_of_sets_holds_after_random_changes"),
     ("the admission cap ignores the engine replicas Serve runs", "cluster/ingress.py",
