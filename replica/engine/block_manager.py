@@ -63,8 +63,9 @@ class BlockManager:
         return self.schedule_chunk(seq, token_budget)
 
     def cached_prefix_tokens(self, seq: Sequence) -> int:
-        """Prompt tokens ``admit`` would take from the cache if it ran now (no change)."""
-        if self.prefix_cache is None:
+        """Prompt tokens ``admit`` would take from the cache if it ran now (no change): none
+        for a request that wants prompt logprobs (``admit`` computes those prompts whole)."""
+        if self.prefix_cache is None or seq.params.prompt_logprobs is not None:
             return 0
         hashes = self._hashes(seq, seq.num_tokens)
         hits = self.prefix_cache.lookup(seq.token_ids, seq.cache_salt, hashes)

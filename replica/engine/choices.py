@@ -4,8 +4,9 @@ When a request with ``n`` choices samples its first token, its prompt is compute
 other choice ``i`` samples its first token from the same logits (with its own seed, ``seed +
 i``), then continues as a sequence of its own: it shares every full block of the prompt and
 gets a copy of the partial last one (copy-on-write: every choice writes its next token
-there). Where no block is free for that copy, the choice waits and recomputes its prompt,
-whose full blocks the prefix cache then serves.
+there). Where no block is free for that copy, or the running sequences are already at
+``max_num_seqs``, the choice waits and recomputes its prompt, whose full blocks the prefix
+cache then serves.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def fork_choices(
         child.num_computed_tokens = parent.num_prompt_tokens
         child.grammar = parent.grammar.fresh() if parent.grammar is not None else None
         sample = sampler.sample_one(row, child)
-        if scheduler.block_manager.fork(parent, child):
+        room = len(scheduler.running) < scheduler.max_num_seqs  # the step's sequence cap
+        if room and scheduler.block_manager.fork(parent, child):
             scheduler.add_running(child)
         else:
             child.num_computed_tokens = 0
