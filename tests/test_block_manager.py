@@ -321,3 +321,66 @@ def test_a_released_sequence_holds_nothing_and_a_fork_of_it_is_refused() -> None
     assert not bm.fork(parent, child)
     assert child.block_table == [] and child.num_computed_tokens == 0
     assert bm.take_copies() == [] and bm.allocator.num_in_use == 0
+
+
+def test_cached_prefix_tokens_predicts_exactly_what_admit_takes() -> None:
+    """The probe the scheduler prices whole prompts with equals what ``admit`` then shares:
+    whole cached blocks, capped to leave the last prompt token to compute; 0 without a cache."""
+    bm = manager()
+    run_prefill(bm, seq(list(range(9)), "a"))  # blocks 0 and 1 published
+    exact = seq(list(range(8)), "exact")  # both full blocks cached, but the last token runs
+    assert bm.cached_prefix_tokens(exact) == BS
+    longer = seq([*range(8), 50], "longer")
+    assert bm.cached_prefix_tokens(longer) == 2 * BS
+    for probe in (exact, longer):
+        predicted = bm.cached_prefix_tokens(probe)
+        assert bm.admit(probe, 10_000) == probe.num_tokens - predicted
+        assert probe.num_cached_prompt_tokens == predicted
+    off = manager(enable_prefix_cache=False)
+    run_prefill(off, seq(list(range(9)), "a"))
+    assert off.cached_prefix_tokens(seq(list(range(9)), "again")) == 0
+
+
+def test_every_eviction_gives_the_block_a_newer_generation() -> None:
+    """A peer copying a block trusts it only if its generation is the same before and after
+    (``shared_pool.read_blocks``): each eviction must move it to a value it never had, never
+    negative (-1 is what a short read of the generations returns)."""
+    bm = manager(num_blocks=1)
+    alloc = bm.allocator
+    seen = [alloc.generations[0]]
+    for rid in ("a", "b", "c"):
+        s = seq([7, 7, 7, 7], rid)  # one full block, published by its prefill
+        run_prefill(bm, s)
+        assert s.block_table == [0]
+        bm.release(s)
+        assert alloc.eviction_order() == [0]
+        alloc.evict(0)
+        seen.append(alloc.generations[0])
+    assert seen[0] == 0 and seen == sorted(set(seen))  # strictly increasing from 0
+
+
+def test_an_empty_pool_or_an_empty_block_is_refused() -> None:
+    """A pool with no block (or blocks of no token) could never admit anyone: the engine
+    would wait forever, so the allocator refuses it when it is built."""
+    for num_blocks, block_size in ((0, BS), (-1, BS), (4, 0), (0, 0)):
+        with pytest.raises(ValueError, match="num_blocks and block_size must be positive"):
+            BlockAllocator(num_blocks, block_size)
+    assert BlockAllocator(1, 1).num_free == 1
+
+
+def test_a_hasher_for_another_block_size_is_refused() -> None:
+    """Block hashes must cover exactly one block: a hasher built for another size would
+    publish hashes no router or peer computes for these blocks."""
+    with pytest.raises(ValueError, match="hasher and block manager disagree on block_size"):
+        BlockManager(8, BS, BlockHasher(2 * BS, "test-model"), True)
+
+
+def test_a_one_token_budget_admits_a_prompt_and_runs_one_token() -> None:
+    """The last token of a step's budget still admits a waiting prompt: it gets the blocks
+    of its whole prompt and computes one token now, the rest in later chunks."""
+    bm = manager()
+    s = seq(list(range(6)), "s")
+    assert bm.admit(s, token_budget=1) == 1
+    assert s.block_table == [0, 1] and s.num_computed_tokens == 0
+    s.num_computed_tokens += 1
+    assert bm.schedule_chunk(s, 10_000) == 5

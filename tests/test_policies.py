@@ -6,6 +6,7 @@ import os
 
 from bench.sim.peer_policies import DynamoKV, RayPrefixSim, SGLangCacheAware
 from kvindex.hashing import BlockHasher
+from kvindex.pulls import PullConfig, with_pullable
 from kvindex.records import ReplicaState, RoutingRequest
 from router.config import make_policy, routing_config
 from router.policies import (
@@ -14,6 +15,7 @@ from router.policies import (
     PrefixAffinity,
     RoundRobin,
     rendezvous_order,
+    rendezvous_weights,
 )
 from router.prefill_cost import CostKnobs, PrefillCost
 
@@ -343,3 +345,45 @@ def test_prefill_cost_edges_of_hit_stickiness_and_slack_are_inclusive() -> None:
     ]
     assert slack.rank(short, near)[0] == "b"
     assert slack.explain() == "prefill_cost new prefix: b b=138 a=69"
+
+
+def test_rendezvous_weights_are_pinned() -> None:
+    """Rendezvous weights are a fixed function of key and id, the same in every release."""
+    weights = rendezvous_weights(b"key", ["a", "b"]).tolist()
+    assert weights == [15587973318394199782, 14061613597486287766]
+
+
+def test_twin_holders_break_their_tie_in_rendezvous_order_not_list_order() -> None:
+    """Equal holders at equal cost tie-break in rendezvous order, never by list order."""
+    policy = cost_policy(decode_cost_tokens=0)
+    firsts = set()
+    for seed in range(8):
+        req = request(seed, num_blocks=8)
+        first = rendezvous_order(req.affinity_key, ["a", "b"])[0]
+        firsts.add(first)
+        for names in (["a", "b", "c"], ["b", "a", "c"]):
+            replicas = [state(n, cached_blocks=8 if n != "c" else 0) for n in names]
+            assert policy.rank(req, replicas)[0] == first
+    assert firsts == {"a", "b"}  # both list orders were tested against each first
+
+
+def test_a_new_prefixs_load_leaves_out_what_a_pull_would_save() -> None:
+    """A new prefix is placed by load alone, leaving out what a pull would save."""
+    req = request(21, num_blocks=16)  # 261 tokens; a's 5 blocks are no hit (80 < 128)
+    policy = cost_policy(decode_cost_tokens=0, pull=PullConfig(enabled=True))
+    replicas = with_pullable(
+        [state("a", cached_blocks=5, footprint_blocks=10), state("b", footprint_blocks=100)]
+    )
+    assert policy.costs(req, replicas) == {"a": 261 - 80, "b": 261 - (80 - 31 - 4)}
+    assert policy.rank(req, replicas) == ["a", "b"]
+    assert policy.explain() == "prefill_cost new prefix: a a=181 b=216"
+
+
+def test_the_explanation_is_the_name_before_any_decision_and_counts_the_unlisted() -> None:
+    """explain() is the name before any ranking, and then counts the replicas it leaves out."""
+    policy = cost_policy(decode_cost_tokens=0)
+    assert policy.explain() == "prefill_cost"
+    replicas = [state(f"r{i}", booked_prefill_tokens=i) for i in range(10)]
+    assert policy.rank(request(3), replicas)[:8] == [f"r{i}" for i in range(8)]
+    listed = " ".join(f"r{i}={133 + i}" for i in range(8))
+    assert policy.explain() == f"prefill_cost new prefix: r0 {listed} (+2 more)"

@@ -24,7 +24,7 @@ from kvindex.records import RoutingRequest
 from replica.engine import Engine, SamplingParams
 from replica.engine.sequence import Sequence
 from replica.messages import EngineRequest
-from replica.sampling.sampler import Sampler
+from replica.sampling.sampler import Sampler, position_seed
 from router.config import make_policy, routing_config
 from router.core import RoutingCore
 from router.recent_routes import RecentRoutes
@@ -123,6 +123,93 @@ def test_log_probabilities_are_never_positive_and_sum_to_one() -> None:
     )
     total = sum(math.exp(v) for _, v in logprob.top)
     assert total == pytest.approx(1.0, abs=1e-5)
+
+
+def test_a_draw_seed_takes_the_request_seed_modulo_2_63_and_is_pinned() -> None:
+    """The request seed counts modulo 2**63, and each draw's seed is pinned across releases."""
+    assert position_seed(5, 0) == position_seed(5 + 2**63, 0)
+    assert position_seed(-1, 3) == position_seed(2**63 - 1, 3)
+    assert position_seed(0, 0) == 2928822574489494037
+    assert position_seed(7, 3) == 6579903082405569959
+
+
+def test_each_draw_uses_a_generator_seeded_by_the_seed_and_its_position() -> None:
+    """Position i draws with a generator seeded position_seed(seed, i) from the tempered softmax."""
+    logits = torch.linspace(0.0, 1.0, 16)
+    params = SamplingParams(temperature=0.7, seed=11)
+    sampler = Sampler(seed=0)
+    drawn = []
+    for position in range(12):
+        got = sampler.sample_one(logits, seq(params, [0] * position)).token_id
+        gen = torch.Generator().manual_seed(position_seed(11, position))
+        want = int(torch.multinomial(torch.softmax(logits / 0.7, -1), 1, generator=gen))
+        assert got == want
+        drawn.append(got)
+    assert len(set(drawn)) > 1
+
+
+def test_an_unseeded_request_draws_from_the_engine_seed_and_its_request_id() -> None:
+    """Without params.seed, the engine seed and the request id fix the draws, and only they."""
+    logits = torch.zeros(64)
+    params = SamplingParams(temperature=1.0)
+
+    def tokens(engine_seed: int, rid: str) -> list[int]:
+        sampler = Sampler(seed=engine_seed)
+        return [sampler.sample_one(logits, seq(params, [0] * i, rid)).token_id for i in range(8)]
+
+    assert tokens(7, "a") == tokens(7, "a")
+    assert tokens(7, "a") != tokens(8, "a")
+    assert tokens(7, "a") != tokens(7, "b")
+
+
+def test_temperature_1e_5_still_samples_and_below_it_is_greedy() -> None:
+    """MIN_TEMPERATURE itself samples; any temperature below it is greedy."""
+    tied = torch.tensor([[0.0, 0.0]])
+
+    def drawn(temperature: float) -> set[int]:
+        sampler = Sampler(seed=0)
+        params = [SamplingParams(temperature=temperature, seed=s) for s in range(16)]
+        return {sampler.sample(tied, [seq(p)])[0].token_id for p in params}
+
+    assert drawn(1e-5) == {0, 1}
+    assert drawn(0.99e-5) == {0}
+
+
+class OnlyToken:
+    """A grammar that allows one token (the sampler needs only ``mask``)."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        allowed = torch.arange(len(logits)) == self.token
+        return torch.where(allowed, logits, torch.full_like(logits, -torch.inf))
+
+
+def test_the_grammar_mask_decides_the_token_and_logprobs_stay_raw() -> None:
+    """A grammar's mask decides the token, and its logprob is still the raw log-softmax."""
+    s = seq(SamplingParams(temperature=0.0, logprobs=0))
+    s.grammar = OnlyToken(2)
+    (out,) = Sampler(seed=0).sample(LOGITS.unsqueeze(0), [s])
+    assert out.token_id == 2
+    assert out.logprob is not None
+    assert out.logprob.logprob == pytest.approx(float(torch.log_softmax(LOGITS, -1)[2]), abs=1e-6)
+
+
+def test_top_p_stops_at_a_head_whose_mass_reaches_it_exactly() -> None:
+    """top_p keeps the smallest head whose mass reaches it, exactly at the edge."""
+    tied = torch.tensor([0.0, 0.0])
+    sampler = Sampler(seed=0)
+    drawn = {
+        sampler.sample_one(tied, seq(SamplingParams(temperature=1.0, top_p=0.5, seed=s))).token_id
+        for s in range(32)
+    }
+    assert len(drawn) == 1
+    both = {
+        sampler.sample_one(tied, seq(SamplingParams(temperature=1.0, seed=s))).token_id
+        for s in range(32)
+    }
+    assert both == {0, 1}
 
 
 # --- the router's bookkeeping, without Ray or Redis ---

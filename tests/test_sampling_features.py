@@ -14,6 +14,7 @@ from replica.engine import Engine, SamplingParams
 from replica.engine.scheduler import ScheduledBatch
 from replica.model.runner import ModelRunner
 from replica.sampling.logits_processing import process_logits
+from replica.sampling.sampler import token_logprobs
 
 PROMPT = [256, *b"The forecast for tomorrow says"]  # 31 tokens: a partial last block
 
@@ -54,6 +55,23 @@ def test_logits_processing_matches_the_reference(seed: int) -> None:
     got = process_logits(torch.tensor(logits), params, prompt, output, [vocab - 1]).tolist()
     want = reference_processing(logits, params, prompt, output, [vocab - 1])
     assert got == pytest.approx(want, rel=1e-6, abs=1e-5)
+
+
+def test_min_tokens_bans_every_end_id_from_0_and_skips_ids_outside_the_vocabulary() -> None:
+    """min_tokens bans each end id in [0, vocab), token 0 too; ids outside it are skipped."""
+    params = SamplingParams(min_tokens=1, stop_token_ids=(-1, 4))
+    logits = torch.tensor([0.5, 1.0, 2.0, 3.0])
+    got = process_logits(logits, params, [1], [], [0])
+    assert torch.equal(got, torch.tensor([-1e30, 1.0, 2.0, 3.0]))  # -inf, bounded
+    assert torch.equal(process_logits(logits, params, [1], [2], [0]), logits)
+
+
+def test_zero_logprobs_report_the_token_with_an_empty_tuple_of_alternatives() -> None:
+    """logprobs=0 reports the token's log-probability with top == (), never None."""
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    (entry,) = token_logprobs(logits, [1], 0)
+    assert entry.token_id == 1 and entry.top == ()
+    assert entry.logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[1]), abs=1e-6)
 
 
 def test_n_choices_share_one_prefill_and_equal_separate_seeded_requests() -> None:
@@ -188,6 +206,36 @@ def test_the_other_choices_go_on_when_choice_0_ends_on_its_first_token() -> None
     engine = Engine(tiny())
     outs = engine.generate_choices(PROMPT, params)
     assert len(outs[0].token_ids) == 1 and max(len(o.token_ids) for o in outs[1:]) == 5
+    separate = [Engine(tiny()).generate([PROMPT], params.for_choice(i))[0] for i in range(3)]
+    assert [o.token_ids for o in outs] == [s.token_ids for s in separate]
+    engine.check_invariants()
+    assert engine.stats().blocks_in_use == 0
+
+
+class Batches:
+    """A runner that records each step's batch: its sequences and tokens."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.sizes: list[tuple[int, int]] = []
+
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        self.sizes.append((len(batch.seqs), batch.num_tokens))
+        return self.runner.execute(batch)
+
+
+def test_choices_beyond_max_num_seqs_wait_and_no_step_runs_more() -> None:
+    """n = 3 with room for 2 sequences a step: the third choice waits (and recomputes its
+    prompt from the cache) instead of joining the running past the cap, so no batch holds
+    more than 2 sequences or more tokens than the budget; every choice still equals its
+    own seeded request."""
+    config = tiny(max_num_seqs=2, max_num_batched_tokens=64)
+    batches = Batches(ModelRunner(config))
+    engine = Engine(config, runner=batches)
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=5, n=3, ignore_eos=True)
+    outs = engine.generate_choices(PROMPT, params)
+    assert max(n for n, _ in batches.sizes) == 2
+    assert max(t for _, t in batches.sizes) <= 64
     separate = [Engine(tiny()).generate([PROMPT], params.for_choice(i))[0] for i in range(3)]
     assert [o.token_ids for o in outs] == [s.token_ids for s in separate]
     engine.check_invariants()

@@ -228,3 +228,117 @@ def test_the_budget_must_cover_one_token_per_sequence() -> None:
     assert Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=4).max_num_seqs == 4
     with pytest.raises(ValueError, match="max_num_batched_tokens must be at least max_num_seqs"):
         Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=3)
+
+
+def test_a_forked_choice_joins_the_running_and_decodes_with_its_parent() -> None:
+    """``add_running``: a choice forked from its parent's prefill holds its blocks already;
+    it is running (not waiting to be admitted) and decodes in the next step, after the copy
+    of its partial block."""
+    s = scheduler(num_blocks=8, budget=64)
+    parent = seq("p", list(range(6)))  # block 0 full, block 1 holds 2 tokens
+    s.add(parent)
+    step(s)
+    child = seq("p#1", list(range(6)))
+    child.num_computed_tokens = 6
+    assert s.block_manager.fork(parent, child)
+    s.add_running(child)
+    assert child.status is SequenceStatus.RUNNING and list(s.waiting) == []
+    child.token_ids.append(555)  # its own first token
+    batch = step(s)
+    assert batch.seqs == [parent, child] and batch.num_new_tokens == [1, 1]
+    assert batch.block_copies == [(1, 2)] and child.block_table == [0, 2]
+
+
+def test_removing_a_waiting_request_takes_it_out_of_the_queue() -> None:
+    """``remove`` (an abort) of a request not yet admitted: it leaves the waiting queue and is
+    never scheduled; the running one is untouched."""
+    s = scheduler(num_blocks=8, budget=64, max_num_seqs=1)
+    a, b = seq("a", [1, 2, 3]), seq("b", [4, 5, 6])
+    s.add(a)
+    s.add(b)
+    step(s)
+    assert list(s.waiting) == [b] and s.running == [a]  # one sequence slot: b waits
+    s.remove(b)
+    assert list(s.waiting) == [] and s.running == [a] and b.block_table == []
+    s.remove(a)
+    assert s.num_unfinished == 0 and s.block_manager.allocator.num_in_use == 0
+    assert len(step(s)) == 0
+
+
+def test_the_last_token_of_the_budget_still_goes_to_a_prompt() -> None:
+    """Budget 4, three decodes: the one token left admits a waiting prompt (a one-token
+    chunk), and in the next step goes to that prompt's next chunk."""
+    s = scheduler(num_blocks=16, budget=4)
+    decodes = [seq(f"d{i}", [i]) for i in range(3)]
+    long = seq("long", list(range(100, 120)))
+    for q in (*decodes, long):
+        s.add(q)
+    batch = step(s)  # three one-token prompts, then one token of the long one
+    assert batch.seqs == [*decodes, long] and batch.num_new_tokens == [1, 1, 1, 1]
+    assert long.status is SequenceStatus.RUNNING and long.block_table == [3, 4, 5, 6, 7]
+    batch = step(s)  # three decodes, then the long prompt's next token
+    assert batch.seqs == [*decodes, long] and batch.num_new_tokens == [1, 1, 1, 1]
+    assert long.num_computed_tokens == 2
+
+
+def test_a_choice_that_preempts_itself_leaves_the_prompt_chunk_after_it_scheduled() -> None:
+    """A forked choice joins the running after a prompt still being chunked, so it is the
+    newest: when its decode finds no block it gives way itself, and the older prompt's next
+    chunk (scheduled after every decode) still runs in that step."""
+    s = scheduler(num_blocks=7, budget=8, decode_reserve=False)
+    p = seq("p", [1, 2, 3, 4])  # one full block: its next token needs a new one
+    long = seq("long", list(range(100, 120)))  # 5 blocks, 4 of its tokens in step 1
+    s.add(p)
+    s.add(long)
+    batch = step(s)
+    assert batch.seqs == [p, long] and batch.num_new_tokens == [4, 4]
+    assert p.block_table == [0] and long.block_table == [1, 2, 3, 4, 5]
+    child = seq("p#1", [1, 2, 3, 4])
+    child.num_computed_tokens = 4
+    assert s.block_manager.fork(p, child) and child.block_table == [0]
+    s.add_running(child)
+    child.token_ids.append(555)
+    batch = step(s)  # p takes the last free block; the child finds none and is the newest
+    assert batch.preempted == [child] and child.status is SequenceStatus.WAITING
+    assert batch.seqs == [p, long] and batch.num_new_tokens == [1, 7]
+    assert p.block_table == [0, 6]
+
+
+def test_without_chunking_a_later_prompt_joins_only_if_its_uncached_rest_fits() -> None:
+    """With chunking off only a step's first prompt may overrun the budget; each later one
+    joins if its tokens not served by the cache fit in what is left (exactly is enough),
+    and otherwise waits for the next step."""
+    s = scheduler(32, budget=8, max_num_seqs=8, chunked_prefill=False, decode_reserve=False)
+    x = seq("x", list(range(9)))  # publishes blocks 0-3 and 4-7
+    s.add(x)
+    assert step(s).num_new_tokens == [9]
+    w = seq("w", [60, 61, 62, 63, 64])
+    y = seq("y", [*range(8), 50, 51])  # 10 tokens, 8 of them cached: 2 to compute
+    s.add(w)
+    s.add(y)
+    batch = step(s)  # x decodes (7 left), w takes 5 (2 left), y's 2 fit exactly
+    assert batch.seqs == [x, w, y] and batch.num_new_tokens == [1, 5, 2]
+    assert y.num_cached_prompt_tokens == 8 and y.block_table[:2] == x.block_table[:2]
+    z, u = seq("z", [70, 71, 72, 73]), seq("u", [80, 81])
+    s.add(z)
+    s.add(u)
+    batch = step(s)  # three decodes (5 left), z takes 4 (1 left): u's 2 do not fit
+    assert batch.seqs == [x, w, y, z] and batch.num_new_tokens == [1, 1, 1, 4]
+    assert list(s.waiting) == [u] and u.block_table == []
+
+
+def test_without_chunking_a_prompt_scored_whole_runs_in_one_step_despite_a_cached_head() -> None:
+    """A request with prompt logprobs takes nothing from the cache (its every prompt row is
+    scored), so in whole-prompts mode it is sized without the cached head and runs in one
+    step, not split by a cache hit ``admit`` never takes."""
+    s = scheduler(num_blocks=16, budget=8, chunked_prefill=False)
+    warm = seq("warm", list(range(12)), max_tokens=1)
+    s.add(warm)
+    step(s)
+    s.remove(warm)  # its 2 full blocks stay cached
+    assert s.block_manager.cached_prefix_tokens(seq("probe", list(range(12)))) == 8
+    scored = Sequence("scored", list(range(12)), SamplingParams(prompt_logprobs=1), None, 0.0)
+    assert s.block_manager.cached_prefix_tokens(scored) == 0
+    s.add(scored)
+    batch = step(s)
+    assert batch.seqs == [scored] and batch.num_new_tokens == [12]
