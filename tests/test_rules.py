@@ -196,6 +196,16 @@ def test_the_grammar_mask_decides_the_token_and_logprobs_stay_raw() -> None:
     assert out.logprob.logprob == pytest.approx(float(torch.log_softmax(LOGITS, -1)[2]), abs=1e-6)
 
 
+def test_a_greedy_row_with_a_grammar_is_masked_not_taken_from_the_plain_argmax() -> None:
+    """Greedy rows without logprobs or processing take a batched argmax: never one with a
+    grammar, whose mask must still decide the token."""
+    assert int(LOGITS.argmax()) != 2
+    s = seq(SamplingParams(temperature=0.0))
+    s.grammar = OnlyToken(2)
+    (out,) = Sampler(seed=0).sample(LOGITS.unsqueeze(0), [s])
+    assert out.token_id == 2
+
+
 def test_top_p_stops_at_a_head_whose_mass_reaches_it_exactly() -> None:
     """top_p keeps the smallest head whose mass reaches it, exactly at the edge."""
     tied = torch.tensor([0.0, 0.0])
