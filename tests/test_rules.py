@@ -81,6 +81,14 @@ def test_each_penalty_alone_turns_greedy_away_from_a_repeated_token(
     assert sampler.sample(LOGITS.unsqueeze(0), [seq(penalised, [])])[0].token_id == 0
 
 
+def test_a_repetition_penalty_of_2_alone_is_applied_like_any_other_but_1() -> None:
+    """The gate skips processing only at a repetition penalty of exactly 1.0 (no-op):
+    2.0 halves token 0's lead of 2.0 to 1.0, below token 1's 1.5."""
+    logits = torch.tensor([2.0, 1.5, 0.0, -1.0])
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    assert Sampler(seed=0).sample(logits.unsqueeze(0), [seq(penalised, [0])])[0].token_id == 1
+
+
 def test_frequency_penalty_counts_every_occurrence_presence_only_one() -> None:
     logits = torch.tensor([2.0, 0.5])
     sampler = Sampler(seed=0)
