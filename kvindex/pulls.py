@@ -16,7 +16,6 @@ the call to the holder). Both defaults are fitted to pulls on a real 2-replica c
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -98,12 +97,11 @@ def pulled_token_column(
 
 def pull_price(config: PullConfig, tokens: int) -> int:
     """What pulling ``tokens`` costs, in prefill tokens (0 for no pull)."""
-    if tokens <= 0:
-        return 0
-    return config.call_cost_tokens + math.ceil(tokens * config.token_cost)
+    return int(pull_prices(config, np.array([tokens], np.int64))[0])
 
 
 def pull_prices(config: PullConfig, tokens: np.ndarray) -> np.ndarray:
-    """``pull_price`` of each count of ``tokens``."""
+    """What pulling each count of ``tokens`` costs: the call's price plus each token's,
+    rounded up (0 for no pull). The one price rule; ``pull_price`` is it for one count."""
     price = config.call_cost_tokens + np.ceil(tokens * config.token_cost).astype(np.int64)
     return np.where(tokens > 0, price, 0)
