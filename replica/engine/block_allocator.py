@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import MutableSequence
+from collections.abc import Callable, MutableSequence
 from typing import Protocol
 
 
@@ -50,6 +50,8 @@ class BlockAllocator:
         self.generations: MutableSequence[int] = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()  # LRU first
+        # told of every block that becomes cached (the node store spills it: replica.store)
+        self.on_cached: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -104,6 +106,8 @@ class BlockAllocator:
         if self.ref_counts[block] == 0:
             if self.cache is not None and self.cache.is_published(block):
                 self._cached[block] = None
+                if self.on_cached is not None:
+                    self.on_cached(block)
             else:
                 self._free.append(block)
 

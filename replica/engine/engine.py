@@ -28,6 +28,7 @@ from replica.model.runner import ModelRunner
 from replica.sampling.grammar import Grammars
 from replica.sampling.params import SamplingParams
 from replica.sampling.sampler import Sample, Sampler, record_prompt_logprobs
+from replica.store.tier import SpillItem, StoreTier, pool_rows
 
 
 class Engine:
@@ -35,6 +36,8 @@ class Engine:
 
     ``runner`` and ``clock`` default to the real model and wall time; the simulator passes a
     cost model and a virtual clock and so runs this very scheduler, cache and accounting.
+    ``store``, the node's second cache tier (``replica.store``): released blocks spill
+    into it behind each step, and a request's stored prefix is restored when it is added.
     """
 
     def __init__(
@@ -42,6 +45,7 @@ class Engine:
         config: EngineConfig | None = None,
         runner: Runner | None = None,
         clock: Callable[[], float] = time.monotonic,
+        store: StoreTier | None = None,
     ) -> None:
         self.config = config = config or EngineConfig()
         self.hasher = config.block_hasher()
@@ -60,6 +64,10 @@ class Engine:
         if kv is not None:  # evictions bump the pool's own counters (what a peer reads)
             self.block_manager.allocator.generations = kv.generations
         self.clock = clock
+        self.store = store if kv is not None else None
+        self._released: list[int] = []  # blocks released this step (the store spills them)
+        if self.store is not None:
+            self.block_manager.allocator.on_cached = self._released.append
         self._eos_token_ids = frozenset(config.shape.eos_token_ids)
         self.sampler = Sampler(config.seed, config.shape.eos_token_ids)
         self.grammars = Grammars(
@@ -109,6 +117,8 @@ class Engine:
         )
         seq.num_prompt_tokens = len(tokens)
         seq.grammar = grammar
+        if self.store is not None and params.prompt_logprobs is None:
+            self.store.restore(self, seq.token_ids, cache_salt)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -142,6 +152,8 @@ class Engine:
             outputs = self._finish_step(batch, self.runner.execute(batch))
             self.metrics.steps += 1
         self._emit_events()
+        if self._released:
+            self._spill()
         return outputs
 
     def generate(
@@ -287,6 +299,24 @@ class Engine:
         if token in self._eos_token_ids and not params.ignore_eos:
             return "stop"
         return "length" if seq.num_output_tokens >= params.max_tokens else None
+
+    def _spill(self) -> None:
+        """Hand the blocks released this step, still cached, to the store (which copies
+        them behind the step: ``replica.store.tier``)."""
+        assert self.store is not None
+        allocator, cache = self.block_manager.allocator, self.block_manager.prefix_cache
+        assert cache is not None
+        items = []
+        for block in dict.fromkeys(self._released):
+            if allocator.ref_counts[block] or not cache.is_published(block):
+                continue  # revived or evicted since: held, or gone
+            entry = cache.entry(block)
+            parent = entry.parent.block_hash if entry.parent is not None else None
+            generation = int(allocator.generations[block])
+            items.append(SpillItem(block, generation, entry.block_hash, parent, entry.token_ids))
+        self._released.clear()
+        kv = self.runner.kv_cache  # type: ignore[attr-defined]
+        self.store.spill(items, pool_rows(kv.data), allocator.generations)
 
     def _emit_events(self) -> None:
         cache = self.block_manager.prefix_cache

@@ -54,12 +54,24 @@ class PrefixExport:
     blocks: tuple[ExportedBlock, ...] = ()
     kv: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.uint8))  # a row a block
     pool: PoolLocator | None = None  # by reference: read the blocks from the holder's pool
+    store: Any = None  # by reference: read them from a node store (``replica.store``)
+    stored: tuple[Any, ...] = ()  # the store's records of ``blocks`` (``StoredBlock``)
+    first: int = 0  # the prompt position of ``blocks[0]`` (a store's run starts anywhere)
 
     @property
     def num_bytes(self) -> int:
+        return len(self.blocks) * self.block_bytes if self.by_reference else int(self.kv.nbytes)
+
+    @property
+    def by_reference(self) -> bool:
+        return self.pool is not None or self.store is not None
+
+    @property
+    def block_bytes(self) -> int:
+        """One block's size where the blocks are read (0 for bytes that travelled)."""
         if self.pool is not None:
-            return len(self.blocks) * self.pool.block_bytes
-        return int(self.kv.nbytes)
+            return self.pool.block_bytes
+        return self.store.geometry.block_bytes if self.store is not None else 0
 
 
 @dataclass
@@ -143,9 +155,12 @@ def _verified(
     checked here (length, checksum); blocks read from a shared pool after their copy."""
     size = data[0].numel() * data.element_size()
     rows, width = export.kv.shape if export.kv.ndim == 2 else (0, 0)
-    by_bytes = export.pool is None
+    by_bytes = not export.by_reference
+    if start < export.first:  # the export begins after a gap in what this engine holds
+        result.rejected.append(f"block {start}: not in the export (it starts at {export.first})")
+        return 0
     wanted = 0
-    for i, block in enumerate(export.blocks[start:], start):
+    for i, block in enumerate(export.blocks[start - export.first :], start):
         tokens = tuple(token_ids[i * block_size : (i + 1) * block_size])
         parent = expected[i - 1] if i else None
         problem = (
@@ -153,10 +168,10 @@ def _verified(
             else "tokens differ" if block.token_ids != tokens
             else "hash differs" if block.block_hash != expected[i]
             else "parent differs" if block.parent_hash != parent
-            else "wrong pool" if not by_bytes and export.pool.block_bytes != size
+            else "wrong pool" if not by_bytes and export.block_bytes != size
             else None if not by_bytes
-            else "truncated" if i >= rows or width != size
-            else "checksum differs" if zlib.crc32(export.kv[i]) != block.crc
+            else "truncated" if i - export.first >= rows or width != size
+            else "checksum differs" if zlib.crc32(export.kv[i - export.first]) != block.crc
             else None
         )  # fmt: skip
         if problem is not None:
@@ -202,14 +217,18 @@ def _publish(
 
 
 def _copy_in(export: PrefixExport, first: int, ids: list[int], data: torch.Tensor) -> int:
-    """Copy exported blocks ``first``.. into this pool's ``ids``; how many arrived intact."""
+    """Copy the exported blocks from prompt position ``first`` on into this pool's ``ids``;
+    how many arrived intact."""
     flat = data.view(torch.uint8).view(data.shape[0], -1)
-    if export.pool is not None:
-        blocks = export.blocks[first : first + len(ids)]
+    k = first - export.first
+    if export.by_reference:
         rows = [flat[block_id].numpy() for block_id in ids]
+        if export.store is not None:
+            return export.store.read_blocks(export.stored[k : k + len(ids)], rows)
+        blocks = export.blocks[k : k + len(ids)]
         sources = [b.block_id for b in blocks]
         return read_blocks(export.pool, sources, [b.generation for b in blocks], rows)
     with warnings.catch_warnings():  # a read-only array (Ray's shared memory): only read
         warnings.simplefilter("ignore", UserWarning)
-        flat[ids] = torch.from_numpy(np.ascontiguousarray(export.kv[first : first + len(ids)]))
+        flat[ids] = torch.from_numpy(np.ascontiguousarray(export.kv[k : k + len(ids)]))
     return len(ids)

@@ -1,0 +1,91 @@
+"""The node store's one shared-memory format (version 1), and what names a store.
+
+One file per (cluster, fingerprint) in the store directory (``/dev/shm`` by default):
+
+* bytes 0-4095, the header (``HEADER``, little-endian): ``MAGIC``, ``VERSION``, the block
+  size in tokens, the ways per set, the set count, one block's KV bytes, where the slot
+  records and the blocks start, the 16-byte fingerprint and the creation time;
+* from ``meta_offset``: one slot record per slot (``slot_dtype``), set-major (slot
+  ``s * ways + w`` is way ``w`` of set ``s``);
+* from ``data_offset`` (page-aligned): one block of KV per slot, ``block_bytes`` each, in
+  the engine's block-major layout (all layers' K and V, ``replica.model.attention``).
+
+A slot record: ``seq`` (a seqlock: odd while a writer rewrites the slot, bumped to the next
+even value when it is done; a reader keeps a copy only if ``seq`` was the same even value
+before and after), ``used_ns`` (the last put or restore, ``CLOCK_MONOTONIC``: one clock
+for every process of a node), ``uses`` (1 on put, +1 per restore: the disk tier admits a
+block on its second use), ``flags`` (``VALID``, ``HAS_PARENT``, ``WRITTEN``: its pages
+exist), the block's hash and its parent's as two little-endian uint64 each, and its
+``block_size`` token ids (uint32).
+
+The fingerprint (``fingerprint``) covers the format version, the model id, the block
+size, the hash secret (its digest, never the secret) and the KV layout (dtype and a
+block's shape): replicas that could not use each other's blocks never open the same file,
+and a header that disagrees with its name is never read (``NodeStore.open`` replaces it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import numpy as np
+
+MAGIC = b"PSKVSTOR"
+VERSION = 1
+HEADER_BYTES = 4096
+HEADER = struct.Struct("<8sIIIIQQQQ16sQ")
+# magic, version, block size, ways, (pad), sets, block bytes, meta at, data at,
+# fingerprint, created (ns)
+
+VALID = 1  # the slot holds a block
+HAS_PARENT = 2  # that block continues another (its parent hash is meaningful)
+WRITTEN = 4  # the slot's pages were written once (a rewrite needs no new memory)
+
+FILE_PREFIX = "prefix-serve-store-"
+
+
+def slot_dtype(block_size: int) -> np.dtype:
+    """One slot's record (64 bytes plus 4 per token, 8-byte aligned)."""
+    return np.dtype(
+        [
+            ("seq", "<i8"),
+            ("used_ns", "<i8"),
+            ("uses", "<i4"),
+            ("flags", "<i4"),
+            ("h0", "<u8"),
+            ("h1", "<u8"),
+            ("p0", "<u8"),
+            ("p1", "<u8"),
+            ("tokens", "<u4", (block_size,)),
+        ],
+        align=True,
+    )
+
+
+def split_hash(block_hash: bytes) -> tuple[int, int]:
+    """A 16-byte block hash as the two uint64 a slot keeps."""
+    return int.from_bytes(block_hash[:8], "little"), int.from_bytes(block_hash[8:16], "little")
+
+
+def join_hash(h0: int, h1: int) -> bytes:
+    return int(h0).to_bytes(8, "little") + int(h1).to_bytes(8, "little")
+
+
+def fingerprint(
+    model_id: str, block_size: int, secret: bytes, layout: tuple[str, tuple[int, ...]]
+) -> bytes:
+    """What must match for two engines to use each other's blocks (see the module)."""
+    dtype, shape = layout
+    secret_digest = hashlib.blake2b(secret, digest_size=16, person=b"store-secret").digest()
+    text = f"v{VERSION}|{model_id}|{block_size}|{dtype}|{shape}".encode()
+    return hashlib.blake2b(text + secret_digest, digest_size=16).digest()
+
+
+def file_name(cluster: str, print_: bytes) -> str:
+    """The store's file name in its directory: one per cluster and fingerprint."""
+    return f"{FILE_PREFIX}{cluster}-{print_.hex()}"
+
+
+def round_up(n: int, to: int) -> int:
+    return -(-n // to) * to

@@ -1,0 +1,383 @@
+"""The node store: evicted KV blocks kept in shared memory that every replica of a node
+reads and writes, and that outlives any one of them (format: ``replica.store.layout``).
+
+It is a set-associative cache: a block lives in one of the ``ways`` slots of the set its
+hash picks, and a put into a full set replaces that set's least recently used block. No
+index beside the slots (nothing to rebuild or tear), no tombstones, and a lookup reads
+``ways`` records.
+
+Who may trust what:
+
+* Writers (``put``) hold an exclusive ``flock`` on the file (released by the kernel if the
+  writer dies mid-put) and a thread lock (``flock`` does not exclude threads sharing a
+  descriptor). A writer makes the slot's ``seq`` odd, rewrites record and bytes, then makes
+  it even again; a writer SIGKILLed mid-put leaves an odd ``seq``, which no reader accepts
+  and the next put of that slot repairs.
+* Readers take no lock. ``find`` copies a record between two reads of its ``seq`` and
+  keeps it only if both are the same even value; ``read_blocks`` copies bytes and keeps a
+  block only if its ``seq`` is still the one ``find`` saw (the shared pool's rule,
+  ``replica.model.shared_pool``). A block replaced or torn mid-read is a miss, never
+  someone else's bytes. The caller still verifies tokens, hash and parent like a local hit
+  (``replica.engine.transfer``).
+* ``used_ns`` and ``uses`` are hints (LRU order, disk admission), written by readers
+  without the lock: a lost update costs a slightly worse eviction, never a wrong block.
+
+Memory: a file-backed store takes its pages when slots are first written; a put that
+would need new pages while the directory has less than ``reserve_bytes`` free is refused
+(counted ``full``) instead of risking SIGBUS on a full ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from replica.store.layout import (
+    HAS_PARENT,
+    HEADER,
+    HEADER_BYTES,
+    MAGIC,
+    VALID,
+    VERSION,
+    WRITTEN,
+    join_hash,
+    round_up,
+    slot_dtype,
+    split_hash,
+)
+
+RESERVE_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class StoreGeometry:
+    """A store's shape: ``num_sets`` sets of ``ways`` slots of ``block_bytes`` each."""
+
+    block_size: int
+    block_bytes: int
+    num_sets: int
+    ways: int = 16
+
+    @classmethod
+    def for_bytes(
+        cls, total_bytes: int, block_size: int, block_bytes: int, ways: int = 16
+    ) -> StoreGeometry:
+        """The most slots (at least one set) that fit ``total_bytes`` with their records."""
+        per_slot = block_bytes + slot_dtype(block_size).itemsize
+        sets = max(1, total_bytes // per_slot // ways)
+        return cls(block_size, block_bytes, sets, ways)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_sets * self.ways
+
+    @property
+    def data_offset(self) -> int:
+        meta = self.num_slots * slot_dtype(self.block_size).itemsize
+        return round_up(HEADER_BYTES + meta, mmap.PAGESIZE)
+
+    @property
+    def file_bytes(self) -> int:
+        return self.data_offset + self.num_slots * self.block_bytes
+
+
+@dataclass(frozen=True)
+class StoredBlock:
+    """One slot's record as ``find`` read it (consistent: one writer's work)."""
+
+    slot: int
+    seq: int
+    block_hash: bytes
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+
+
+@dataclass
+class StoreCounters:
+    puts: int = 0  # blocks written
+    put_skipped: int = 0  # already held (touched instead)
+    evicted: int = 0  # blocks a put replaced
+    full: int = 0  # puts refused: no free memory for new pages
+    hits: int = 0  # blocks found and read intact
+    torn: int = 0  # blocks found, then changed mid-read
+
+
+@dataclass(frozen=True)
+class PutResult:
+    stored: bool
+    evicted: StoredBlock | None = None  # the block this put replaced
+    evicted_bytes: bytes | None = None  # its KV, when the caller asked to keep it (disk)
+
+
+class NodeStore:
+    """A store over one mapped region (see the module). ``anonymous`` for one process (the
+    simulator, tests); ``replica.store.files.open_node_store`` for a node's shared file."""
+
+    def __init__(
+        self,
+        region: Any,
+        geometry: StoreGeometry,
+        fingerprint: bytes,
+        fd: int | None = None,
+        reserve_dir: str | None = None,
+    ) -> None:
+        self.geometry = g = geometry
+        self.fingerprint = fingerprint
+        self.counters = StoreCounters()
+        self._region = region
+        self._fd = fd  # the file's descriptor: its flock excludes other processes' puts
+        self._reserve_dir = reserve_dir
+        self._thread_lock = threading.Lock()
+        dtype = slot_dtype(g.block_size)
+        self.meta = np.frombuffer(region, dtype, g.num_slots, HEADER_BYTES)
+        data = np.frombuffer(region, np.uint8, g.num_slots * g.block_bytes, g.data_offset)
+        self.data = data.reshape(g.num_slots, g.block_bytes)
+
+    @classmethod
+    def anonymous(cls, geometry: StoreGeometry, fingerprint: bytes = b"\0" * 16) -> NodeStore:
+        region = mmap.mmap(-1, geometry.file_bytes)
+        write_header(region, geometry, fingerprint)
+        return cls(region, geometry, fingerprint)
+
+    # -- reading (no lock) --------------------------------------------------------------
+
+    def find(self, block_hash: bytes) -> StoredBlock | None:
+        """The block with ``block_hash``, its record read consistently, or None."""
+        h0, h1 = split_hash(block_hash)
+        lo = (h0 % self.geometry.num_sets) * self.geometry.ways
+        ways = self.meta[lo : lo + self.geometry.ways]
+        hit = np.flatnonzero((ways["h0"] == h0) & (ways["h1"] == h1) & (ways["flags"] & VALID))
+        for way in hit:
+            slot = lo + int(way)
+            seq = int(self.meta["seq"][slot])
+            record = self.meta[slot].copy()
+            if seq % 2 or int(self.meta["seq"][slot]) != seq or not record["flags"] & VALID:
+                continue  # mid-write: a miss
+            if (int(record["h0"]), int(record["h1"])) != (h0, h1):
+                continue
+            parent = None
+            if record["flags"] & HAS_PARENT:
+                parent = join_hash(record["p0"], record["p1"])
+            tokens = tuple(int(t) for t in record["tokens"])
+            return StoredBlock(slot, seq, block_hash, parent, tokens)
+        return None
+
+    def find_chain(self, hashes: Sequence[bytes], start: int = 0) -> list[StoredBlock]:
+        """The stored blocks of ``hashes[start:]``, up to the first one not stored."""
+        found = []
+        for block_hash in hashes[start:]:
+            block = self.find(block_hash)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def read_blocks(self, blocks: Sequence[StoredBlock], rows: Sequence[np.ndarray]) -> int:
+        """Copy ``blocks`` into ``rows`` (uint8, ``block_bytes`` each); how many leading
+        ones arrived intact (``seq`` unchanged since ``find``). Touches those."""
+        seqs = self.meta["seq"]
+        count = 0
+        for block, row in zip(blocks, rows, strict=True):
+            if int(seqs[block.slot]) != block.seq:
+                break
+            np.copyto(row, self.data[block.slot])
+            count += 1
+        for i in range(count):
+            if int(seqs[blocks[i].slot]) != blocks[i].seq:
+                count = i
+                break
+        self.counters.hits += count
+        self.counters.torn += len(blocks) - count if count < len(blocks) else 0
+        now = time.monotonic_ns()
+        for block in blocks[:count]:  # hints, unlocked (see the module)
+            self.meta["used_ns"][block.slot] = now
+            self.meta["uses"][block.slot] += 1
+        return count
+
+    def hashes(self) -> list[bytes]:
+        """Every block hash held now (for the index to resynchronise from)."""
+        valid = self.meta[(self.meta["flags"] & VALID) != 0]
+        return [join_hash(a, b) for a, b in zip(valid["h0"], valid["h1"], strict=True)]
+
+    @property
+    def num_blocks(self) -> int:
+        return int(np.count_nonzero(self.meta["flags"] & VALID))
+
+    # -- writing (locked) ---------------------------------------------------------------
+
+    def put(
+        self,
+        block_hash: bytes,
+        parent_hash: bytes | None,
+        token_ids: Sequence[int],
+        data: np.ndarray,
+        keep_evicted_after_uses: int | None = None,
+    ) -> PutResult:
+        """Store one block (its KV ``data``, uint8). A block already held is touched. The
+        set's LRU block makes room; with ``keep_evicted_after_uses``, the result carries
+        its bytes when it was used that often (the disk tier's admission)."""
+        g = self.geometry
+        if len(token_ids) != g.block_size or data.size != g.block_bytes:
+            raise ValueError("a store block is one full block of this store's layout")
+        h0, h1 = split_hash(block_hash)
+        lo = (h0 % g.num_sets) * g.ways
+        with self._locked():
+            ways = self.meta[lo : lo + g.ways]
+            same = np.flatnonzero((ways["h0"] == h0) & (ways["h1"] == h1) & (ways["flags"] & VALID))
+            if same.size:
+                self.meta["used_ns"][lo + int(same[0])] = time.monotonic_ns()
+                self.counters.put_skipped += 1
+                return PutResult(False)
+            slot = lo + _victim(ways)
+            if not self.meta["flags"][slot] & WRITTEN and not self._has_room():
+                self.counters.full += 1
+                return PutResult(False)
+            evicted, kept = self._victim_record(slot, keep_evicted_after_uses)
+            self._write(slot, (h0, h1), parent_hash, token_ids, data)
+        self.counters.puts += 1
+        self.counters.evicted += evicted is not None
+        return PutResult(True, evicted, kept)
+
+    def _victim_record(
+        self, slot: int, keep_after_uses: int | None
+    ) -> tuple[StoredBlock | None, bytes | None]:
+        record = self.meta[slot]
+        if not record["flags"] & VALID or int(record["seq"]) % 2:
+            return None, None
+        parent = join_hash(record["p0"], record["p1"]) if record["flags"] & HAS_PARENT else None
+        block = StoredBlock(
+            slot,
+            int(record["seq"]),
+            join_hash(record["h0"], record["h1"]),
+            parent,
+            tuple(int(t) for t in record["tokens"]),
+        )
+        keep = keep_after_uses is not None and int(record["uses"]) >= keep_after_uses
+        return block, (self.data[slot].tobytes() if keep else None)
+
+    def _write(
+        self,
+        slot: int,
+        key: tuple[int, int],
+        parent_hash: bytes | None,
+        token_ids: Sequence[int],
+        data: np.ndarray,
+    ) -> None:
+        """Rewrite one slot under the seqlock (the caller holds the lock)."""
+        meta = self.meta
+        seq = int(meta["seq"][slot])
+        meta["seq"][slot] = seq + 1 if seq % 2 == 0 else seq + 2  # odd: being written
+        meta["flags"][slot] = WRITTEN
+        np.copyto(self.data[slot], data.reshape(-1))
+        meta["h0"][slot], meta["h1"][slot] = key
+        p0, p1 = split_hash(parent_hash) if parent_hash is not None else (0, 0)
+        meta["p0"][slot], meta["p1"][slot] = p0, p1
+        meta["tokens"][slot] = np.asarray(token_ids, np.uint32)
+        meta["uses"][slot] = 1
+        meta["used_ns"][slot] = time.monotonic_ns()
+        meta["flags"][slot] = WRITTEN | VALID | (HAS_PARENT if parent_hash is not None else 0)
+        meta["seq"][slot] = int(meta["seq"][slot]) + 1  # even: done
+
+    def discard(self, block_hash: bytes) -> bool:
+        """Drop a block (a caller found it corrupt, or a test); False if not held."""
+        block = self.find(block_hash)
+        if block is None:
+            return False
+        with self._locked():
+            seqs = self.meta["seq"]
+            if int(seqs[block.slot]) != block.seq:
+                return False
+            seqs[block.slot] = block.seq + 1
+            self.meta["flags"][block.slot] &= ~VALID
+            seqs[block.slot] = block.seq + 2
+        return True
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._thread_lock:
+            if self._fd is None:
+                yield
+                return
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _has_room(self) -> bool:
+        if self._reserve_dir is None:
+            return True
+        st = os.statvfs(self._reserve_dir)
+        return st.f_bavail * st.f_frsize >= RESERVE_BYTES + self.geometry.block_bytes
+
+    # -- checks -------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise ``AssertionError`` unless every valid slot is stable, in its hash's set,
+        and no set holds a hash twice."""
+        g = self.geometry
+        for s in range(g.num_sets):
+            ways = self.meta[s * g.ways : (s + 1) * g.ways]
+            valid = ways[(ways["flags"] & VALID) != 0]
+            assert not np.any(valid["seq"] % 2), f"set {s}: a valid slot mid-write"
+            assert np.all(valid["h0"] % g.num_sets == s), f"set {s}: a block in the wrong set"
+            keys = set(zip(valid["h0"].tolist(), valid["h1"].tolist(), strict=True))
+            assert len(keys) == len(valid), f"set {s}: a hash held twice"
+
+    def close(self) -> None:
+        self.meta = self.data = None  # type: ignore[assignment]
+        with contextlib.suppress(BufferError, ValueError):
+            if isinstance(self._region, mmap.mmap):
+                self._region.close()
+
+
+def _victim(ways: np.ndarray) -> int:
+    """The way a put takes: a free one (a written one first: its pages exist), else the
+    least recently used."""
+    free = np.flatnonzero((ways["flags"] & VALID) == 0)
+    if free.size:
+        written = free[(ways["flags"][free] & WRITTEN) != 0]
+        return int(written[0] if written.size else free[0])
+    return int(np.argmin(ways["used_ns"]))
+
+
+def write_header(region: Any, geometry: StoreGeometry, fingerprint: bytes) -> None:
+    g = geometry
+    header = HEADER.pack(
+        MAGIC,
+        VERSION,
+        g.block_size,
+        g.ways,
+        0,
+        g.num_sets,
+        g.block_bytes,
+        HEADER_BYTES,
+        g.data_offset,
+        fingerprint,
+        time.time_ns(),
+    )
+    region[: len(header)] = header
+
+
+def read_header(raw: bytes) -> tuple[StoreGeometry, bytes] | None:
+    """The geometry and fingerprint a header names, or None if it is not this version's."""
+    if len(raw) < HEADER.size:
+        return None
+    magic, version, bs, ways, _, sets, block_bytes, meta_at, data_at, print_, _ = HEADER.unpack(
+        raw[: HEADER.size]
+    )
+    if magic != MAGIC or version != VERSION or meta_at != HEADER_BYTES or bs <= 0 or ways <= 0:
+        return None
+    geometry = StoreGeometry(bs, block_bytes, sets, ways)
+    if geometry.data_offset != data_at or sets <= 0:
+        return None
+    return geometry, print_

@@ -1,0 +1,236 @@
+"""The second cache tier as an engine uses it: spill released blocks into the node store
+(behind the step), restore a prompt's stored blocks before it is admitted (verified).
+
+Spill: a published block whose last holder releases it becomes evictable; from then on it
+may be evicted in any step. So the engine hands it to the tier when it is released (the
+step's end: ``Engine.step``), and the tier copies it into the store on its own thread,
+off the step: when the pool later evicts it, its eviction costs nothing and it is already
+kept. The copy is checked like a pull's: the block's generation in the pool is read
+before and after, and a block evicted (and reused) meanwhile is dropped from the store
+again. A block already stored is only touched. A block the store evicts after its second
+use goes to the disk tier, if there is one.
+
+Restore: before a request is admitted, the engine asks the tier for the blocks of its
+prompt beyond its longest local hit: first the node store (read by reference, the
+seqlock's rule), then the disk tier (bytes with a checksum). Both go through
+``replica.engine.transfer.import_prefix``, which holds them to a local hit's rule (tokens,
+the receiver's own hash, parent) and publishes them: the request then hits them like any
+cached prefix, and ``cached_tokens`` counts them.
+
+What the store gains and loses is reported to ``listeners`` (the index publisher) as
+``StoreEvents``: the tier's events are the store's, whichever replica caused them.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from replica.engine.transfer import ExportedBlock, PrefixExport, import_prefix
+from replica.store.disk import DiskBlock, DiskTier
+from replica.store.node_store import NodeStore
+
+log = logging.getLogger("ray.serve")
+
+
+@dataclass(frozen=True)
+class SpillItem:
+    """A released block, as the engine saw it: where it is, its generation, what it holds."""
+
+    block_id: int
+    generation: int
+    block_hash: bytes
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StoreEvents:
+    stored: tuple[bytes, ...]
+    removed: tuple[bytes, ...]
+
+
+@dataclass
+class TierCounters:
+    spilled_blocks: int = 0  # written into the store
+    spill_skipped: int = 0  # already stored (touched)
+    spill_dropped: int = 0  # evicted from the pool mid-copy, or the store refused
+    disk_spilled_blocks: int = 0  # store evictions written to disk
+    restored_blocks: int = 0  # imported from the store
+    restored_disk_blocks: int = 0  # imported from disk
+    restore_rejected: int = 0  # found, then refused (verification, torn, no room)
+    restore_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f"store_{k}": v for k, v in asdict(self).items()}
+
+
+@dataclass
+class StoreTier:
+    """A node store (and optional disk tier) as one engine uses it. ``background``: spill
+    on a thread of its own (a replica); off: at once (the simulator, tests)."""
+
+    store: NodeStore
+    disk: DiskTier | None = None
+    disk_after_uses: int = 2
+    background: bool = True
+    listeners: list[Callable[[StoreEvents], None]] = field(default_factory=list)
+    counters: TierCounters = field(default_factory=TierCounters)
+
+    def __post_init__(self) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._idle = threading.Event()
+        self._idle.set()
+
+    # -- spill ----------------------------------------------------------------------------
+
+    def spill(self, items: Sequence[SpillItem], pool: np.ndarray, generations: Any) -> None:
+        """Copy released blocks of ``pool`` (uint8 rows, one a block) into the store."""
+        if not items:
+            return
+        if not self.background:
+            self._spill_now(items, pool, generations)
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="store-spill", daemon=True)
+            self._thread.start()
+        self._idle.clear()
+        self._queue.put((items, pool, generations))
+
+    def wait_idle(self, timeout_s: float = 10.0) -> bool:
+        """Whether every spill handed over so far is done (tests, shutdown)."""
+        return self._idle.wait(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                self._spill_now(*job)
+            except Exception:  # never let one bad block stop spilling
+                log.exception("spilling into the node store failed")
+            if self._queue.empty():
+                self._idle.set()
+
+    def _spill_now(self, items: Sequence[SpillItem], pool: np.ndarray, generations: Any) -> None:
+        stored, removed = [], []
+        for item in items:
+            if int(generations[item.block_id]) != item.generation:
+                self.counters.spill_dropped += 1  # evicted before we got to it
+                continue
+            result = self.store.put(
+                item.block_hash,
+                item.parent_hash,
+                item.token_ids,
+                pool[item.block_id],
+                self.disk_after_uses if self.disk is not None else None,
+            )
+            if int(generations[item.block_id]) != item.generation:  # reused mid-copy
+                if result.stored:
+                    self.store.discard(item.block_hash)
+                self.counters.spill_dropped += 1
+                continue
+            if not result.stored:
+                self.counters.spill_skipped += self.store.find(item.block_hash) is not None
+                continue
+            self.counters.spilled_blocks += 1
+            stored.append(item.block_hash)
+            if result.evicted is not None:
+                removed.append(result.evicted.block_hash)
+                self._to_disk(result.evicted, result.evicted_bytes)
+        self._emit(stored, removed)
+
+    def _to_disk(self, block: Any, data: bytes | None) -> None:
+        if self.disk is None or data is None:
+            return
+        disk_block = DiskBlock(block.block_hash, block.parent_hash, block.token_ids, data)
+        self.counters.disk_spilled_blocks += self.disk.write(disk_block)
+
+    def _emit(self, stored: list[bytes], removed: list[bytes]) -> None:
+        if not stored and not removed:
+            return
+        gone = set(removed) - set(stored)
+        events = StoreEvents(tuple(stored), tuple(h for h in removed if h in gone))
+        for listener in self.listeners:
+            listener(events)
+
+    # -- restore --------------------------------------------------------------------------
+
+    def restore(self, engine: Any, token_ids: Sequence[int], cache_salt: str | None) -> int:
+        """Import the stored blocks of ``token_ids`` beyond the engine's local hit (store,
+        then disk); how many blocks it imported. Runs on the engine's thread."""
+        manager = engine.block_manager
+        cache, bs = manager.prefix_cache, manager.block_size
+        usable = (len(token_ids) - 1) // bs
+        if cache is None or usable <= 0:
+            return 0
+        start = time.perf_counter()
+        prompt = list(token_ids[: usable * bs])
+        hashes = manager.hasher.chain(prompt, cache_salt)
+        held = len(cache.lookup(prompt, cache_salt, hashes))
+        imported = 0
+        if held < usable:
+            imported = self._from_store(engine, prompt, cache_salt, hashes, held)
+        if self.disk is not None and held + imported < usable:
+            imported += self._from_disk(engine, prompt, cache_salt, hashes, held + imported)
+        if held < usable:
+            self.counters.restore_seconds += time.perf_counter() - start
+        return imported
+
+    def _from_store(
+        self, engine: Any, prompt: list[int], salt: str | None, hashes: list[bytes], held: int
+    ) -> int:
+        found = self.store.find_chain(hashes, start=held)
+        if not found:
+            return 0
+        blocks = tuple(
+            ExportedBlock(b.block_hash, b.parent_hash, b.token_ids, 0, b.slot, b.seq) for b in found
+        )
+        export = PrefixExport(
+            _layout(engine), blocks, store=self.store, stored=tuple(found), first=held
+        )
+        result = import_prefix(engine, prompt, salt, export)
+        self.counters.restored_blocks += result.imported
+        self.counters.restore_rejected += len(found) - result.imported
+        return result.imported
+
+    def _from_disk(
+        self, engine: Any, prompt: list[int], salt: str | None, hashes: list[bytes], held: int
+    ) -> int:
+        assert self.disk is not None
+        found = self.disk.read_chain(hashes[held:])
+        if not found:
+            return 0
+        rows = np.frombuffer(b"".join(b.data for b in found), np.uint8).reshape(len(found), -1)
+        blocks = tuple(
+            ExportedBlock(b.block_hash, b.parent_hash, b.token_ids, zlib.crc32(row))
+            for b, row in zip(found, rows, strict=True)
+        )
+        export = PrefixExport(_layout(engine), blocks, rows, first=held)
+        result = import_prefix(engine, prompt, salt, export)
+        self.counters.restored_disk_blocks += result.imported
+        self.counters.restore_rejected += len(found) - result.imported
+        return result.imported
+
+    def close(self) -> None:
+        self.wait_idle(5.0)
+        self.store.close()
+
+
+def _layout(engine: Any) -> tuple[str, tuple[int, ...]]:
+    data = engine.runner.kv_cache.data
+    return str(data.dtype), tuple(data.shape[1:])
+
+
+def pool_rows(kv_data: torch.Tensor) -> np.ndarray:
+    """A KV pool as uint8 rows, one a block (a view: the spiller reads the pool itself)."""
+    return kv_data.view(torch.uint8).view(kv_data.shape[0], -1).numpy()
