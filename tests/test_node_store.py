@@ -164,6 +164,14 @@ def test_sweep_removes_unused_stores_no_replica_here_can_use(tmp_path) -> None:
     assert remove_cluster_stores(d, "c") == [os.path.join(d, file_name("c", other_secret))]
 
 
+def flip(path: str, at: int, change) -> None:
+    with open(path, "r+b") as f:
+        raw = bytearray(f.read())
+        raw[at] = change(raw[at])
+        f.seek(0)
+        f.write(bytes(raw))
+
+
 def test_the_disk_tier_gives_back_whole_blocks_and_refuses_wrong_files(tmp_path) -> None:
     tier = DiskTier(str(tmp_path), "c-x", PRINT, BS, NBYTES, max_bytes=10**6)
     blocks = [
@@ -173,14 +181,10 @@ def test_the_disk_tier_gives_back_whole_blocks_and_refuses_wrong_files(tmp_path)
     assert all(tier.write(b) for b in blocks)
     assert tier.read_chain([key(0), key(1), key(2), key(7)]) == blocks
     path = tier._path(key(1))
-    raw = bytearray(open(path, "rb").read())
-    raw[-1] ^= 0xFF  # a flipped bit
-    open(path, "wb").write(bytes(raw))
+    flip(path, -1, lambda b: b ^ 0xFF)  # a flipped bit
     assert tier.read(key(1)) is None and not os.path.exists(path)
     assert tier.read_chain([key(0), key(1), key(2)]) == blocks[:1]
-    raw = bytearray(open(tier._path(key(2)), "rb").read())
-    raw[8] = 9  # another version
-    open(tier._path(key(2)), "wb").write(bytes(raw))
+    flip(tier._path(key(2)), 8, lambda b: 9)  # another version
     assert tier.read(key(2)) is None and tier.counters.rejected == 2
 
 

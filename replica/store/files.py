@@ -92,12 +92,12 @@ def _open_checked(
                 return fd, geometry
             found = read_header(os.pread(fd, 4096, 0))
             size_ok = found is not None and os.fstat(fd).st_size >= found[0].file_bytes
-            if found is not None and size_ok and found[1] == fingerprint:
-                if (found[0].block_size, found[0].block_bytes) == (
-                    geometry.block_size,
-                    geometry.block_bytes,
-                ):
-                    return fd, found[0]
+            same = found is not None and (found[0].block_size, found[0].block_bytes) == (
+                geometry.block_size,
+                geometry.block_bytes,
+            )
+            if found is not None and size_ok and same and found[1] == fingerprint:
+                return fd, found[0]
             os.unlink(path)  # another version's, torn or foreign: start afresh
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
