@@ -13,6 +13,7 @@ from kvindex.config import IndexConfig
 from kvindex.pulls import PullConfig
 from replica.config import EngineConfig
 from replica.deployment import ReplicaArgs
+from replica.store.config import StoreConfig
 from router.config import PrefillCostRouting, RoutingConfig
 
 
@@ -85,6 +86,10 @@ class ClusterArgs(BaseModel):
         default_factory=PullConfig,
         description="a replica pulls prefix blocks another holds instead of recomputing them",
     )
+    store: StoreConfig = Field(
+        default_factory=StoreConfig,
+        description="the second cache tier: evicted blocks kept in a node-shared store",
+    )
     api_keys: list[str] = Field(
         default_factory=list, description="if any, required as 'Bearer <key>' (not /health)"
     )
@@ -104,4 +109,4 @@ class ClusterArgs(BaseModel):
 
     def replica_args(self) -> ReplicaArgs:
         """What an engine replica needs: its engine and the index it publishes to."""
-        return ReplicaArgs(engine=self.engine, index=self.index, pull=self.pull)
+        return ReplicaArgs(engine=self.engine, index=self.index, pull=self.pull, store=self.store)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvindex.records import ReplicaState, ReplicaTable, RoutingRequest
+from kvindex.records import ReplicaState, ReplicaTable, RoutingRequest, is_store
 
 
 class PullConfig(BaseModel):
@@ -53,6 +53,8 @@ def pull_source(states: Iterable[ReplicaState], replica_id: str, min_blocks: int
     ``replica_id`` has published itself; else None."""
     own, best = 0, None
     for state in states:
+        if is_store(state.replica_id):
+            continue  # a node's store is read by its node's replicas, not pulled from
         held = state.cached_blocks or 0
         if state.replica_id == replica_id:
             own = held

@@ -27,7 +27,7 @@ from redis.retry import Retry
 
 from kvindex import keys, scripts
 from kvindex.config import IndexConfig
-from kvindex.records import Booking, ReplicaState
+from kvindex.records import Booking, ReplicaState, is_store
 
 TRIP_AFTER_FAILURES = 3  # failed queries in a row before routers stop asking for a while
 
@@ -149,8 +149,9 @@ class IndexReader:
         """A booked request is over."""
         return await self._awrite("release", replica_id, request_id)
 
-    def live_replicas(self) -> dict[str, str]:
-        """Replica id -> epoch, for replicas whose heartbeat is current."""
+    def live_replicas(self, stores: bool = False) -> dict[str, str]:
+        """Replica id -> epoch, for replicas whose heartbeat is current (with ``stores``,
+        the node stores' entries too: ``kvindex.records.store_id``)."""
         registry = self._redis.hgetall(keys.registry(self.namespace))
         registry = {k.decode(): v.decode() for k, v in registry.items()}
         beats_keys = [keys.heartbeat(self.namespace, rid) for rid in registry]
@@ -158,12 +159,13 @@ class IndexReader:
         return {
             rid: epoch
             for (rid, epoch), beat in zip(registry.items(), beats, strict=True)
-            if beat is not None and beat.decode() == epoch
+            if beat is not None and beat.decode() == epoch and (stores or not is_store(rid))
         }
 
-    def replica_stats(self) -> dict[str, dict[str, Any]]:
-        """The latest stats of every live replica that reports them."""
-        live = list(self.live_replicas())
+    def replica_stats(self, stores: bool = False) -> dict[str, dict[str, Any]]:
+        """The latest stats of every live replica that reports them (``stores``: as in
+        ``live_replicas``)."""
+        live = list(self.live_replicas(stores))
         stat_keys = [keys.stats(self.namespace, rid) for rid in live]
         values = self._redis.mget(stat_keys) if live else []
         return {rid: json.loads(v) for rid, v in zip(live, values, strict=True) if v is not None}

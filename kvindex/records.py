@@ -55,11 +55,25 @@ class ReplicaState:
     predicted_blocks: int = 0  # leading blocks recent decisions booked to it (short TTL)
     footprint_blocks: int = 0  # distinct blocks it has published (its share of the cache)
     pullable_blocks: int = 0  # leading blocks another replica has published (kvindex.pulls)
+    stored_blocks: int = 0  # leading blocks its node's store holds (replica.store)
 
     @property
     def held_blocks(self) -> int:
         """Leading blocks it holds or will hold shortly (published, or predicted)."""
         return max(self.cached_blocks or 0, self.predicted_blocks)
+
+
+STORE_PREFIX = "store-"
+
+
+def store_id(node_id: str) -> str:
+    """The index entry of a node's store (``replica.store``): published like a replica's,
+    never a replica (no router sends it requests, no replica pulls from it)."""
+    return f"{STORE_PREFIX}{node_id}"
+
+
+def is_store(entry_id: str) -> bool:
+    return entry_id.startswith(STORE_PREFIX)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,9 @@ from replica.engine.transfer import PrefixExport, export_prefix
 from replica.messages import EngineRequest, PullRequest, RequestOutput
 from replica.publisher import IndexPublisher
 from replica.pull import Puller
+from replica.store.build import build_tier
+from replica.store.config import StoreConfig
+from replica.store_publisher import StorePublisher
 
 log = logging.getLogger("ray.serve")
 
@@ -54,6 +57,7 @@ class ReplicaArgs(BaseModel):
     engine: EngineConfig = EngineConfig()
     index: IndexConfig = IndexConfig()
     pull: PullConfig = PullConfig()
+    store: StoreConfig = StoreConfig()
 
 
 class EngineFailedError(RuntimeError):
@@ -73,6 +77,8 @@ class EngineReplica:
             stats=self.record_routing_stats,
         )
         self.engine.subscribe(self.publisher.on_events)
+        self.store_publisher: StorePublisher | None = None
+        self._attach_store()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._wakeup: asyncio.Event | None = None
@@ -91,6 +97,27 @@ class EngineReplica:
         )
         atexit.register(self._leave_index)
         self.publisher.start()
+
+    def _attach_store(self) -> None:
+        """The node's store as the engine's second tier, and its index entry published by
+        one replica of the node (``replica.store_publisher``)."""
+        tier = build_tier(self.engine, self.args.store, self.args.index)
+        if tier is None:
+            return
+        self.engine.attach_store(tier)
+        store = tier.store
+        args = self.args
+
+        def store_stats() -> dict[str, Any]:
+            return {"kind": "store", "node_id": self.node_id, "blocks": store.num_blocks}
+
+        self.store_publisher = StorePublisher(
+            store,
+            getattr(store, "path", "") + ".publisher",
+            self.node_id,
+            lambda: IndexWriter(args.index, args.engine.model_id),
+            store_stats,
+        ).start()
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream a request's tokens. Raises ``InvalidRequestError`` before the first chunk
@@ -169,8 +196,24 @@ class EngineReplica:
             "node_id": self.node_id,
             "rss_mb": _rss_mb(),
             **self.puller.counters.to_dict(),
+            **self._store_stats(),
             "idle_audits": self._audits,
             "audit_error": self._audit_error,
+        }
+
+    def _store_stats(self) -> dict[str, Any]:
+        tier = self.engine.store
+        if tier is None:
+            return {}
+        store = tier.store.counters
+        return {
+            **tier.counters.to_dict(),
+            "store_hits": store.hits,
+            "store_torn": store.torn,
+            "store_full": store.full,
+            "store_blocks": tier.store.num_blocks,
+            "store_capacity": tier.store.geometry.num_slots,
+            "store_publisher": self.store_publisher is not None and self.store_publisher.leading,
         }
 
     def check_health(self) -> None:
@@ -192,6 +235,10 @@ class EngineReplica:
         if not self._left:
             self._left = True
             self.publisher.close(deregister=True)
+            if self.store_publisher is not None:
+                self.store_publisher.close()
+            if self.engine.store is not None:
+                self.engine.store.wait_idle(2.0)  # its mapping stays: steps may still run
 
     def _start_loop(self) -> None:
         if self._loop_task is None:

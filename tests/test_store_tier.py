@@ -30,7 +30,9 @@ def node_store(engine_config, sets: int = 64, ways: int = 4) -> NodeStore:
 
 
 def with_tier(config, store: NodeStore, **tier) -> Engine:
-    return Engine(config, store=StoreTier(store, background=False, **tier))
+    engine = Engine(config)
+    engine.attach_store(StoreTier(store, background=False, **tier))
+    return engine
 
 
 def served(engine: Engine, prompt=PROMPT, salt=None):

@@ -30,6 +30,8 @@ from bench.harness.private_ray import PrivateRay
 from bench.harness.redis_server import free_port
 from cluster.config import ClusterArgs
 from kvindex.reader import IndexReader
+from replica.store.config import store_namespace
+from replica.store.files import remove_cluster_stores
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -134,6 +136,9 @@ class ServeCluster:
         if self._ray is not None:  # this cluster's own Ray, and nothing else
             self._ray.stop()
             self._ray = None
+        # the node store outlives replicas by design; a test's or a run's cluster is gone
+        store = self.args.store
+        remove_cluster_stores(store.directory, store_namespace(self.args.index))
         if keep_logs or not graceful:
             sys.stderr.write(f"serve run's config and log are kept in {self._dir}\n")
         elif self._dir.exists():

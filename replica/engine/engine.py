@@ -28,7 +28,7 @@ from replica.model.runner import ModelRunner
 from replica.sampling.grammar import Grammars
 from replica.sampling.params import SamplingParams
 from replica.sampling.sampler import Sample, Sampler, record_prompt_logprobs
-from replica.store.tier import SpillItem, StoreTier, pool_rows
+from replica.store.tier import StoreTier
 
 
 class Engine:
@@ -36,8 +36,8 @@ class Engine:
 
     ``runner`` and ``clock`` default to the real model and wall time; the simulator passes a
     cost model and a virtual clock and so runs this very scheduler, cache and accounting.
-    ``store``, the node's second cache tier (``replica.store``): released blocks spill
-    into it behind each step, and a request's stored prefix is restored when it is added.
+    With a node store (``attach_store``), released blocks spill there behind each step and
+    a request's stored prefix is restored when it is added (``replica.store``).
     """
 
     def __init__(
@@ -45,7 +45,6 @@ class Engine:
         config: EngineConfig | None = None,
         runner: Runner | None = None,
         clock: Callable[[], float] = time.monotonic,
-        store: StoreTier | None = None,
     ) -> None:
         self.config = config = config or EngineConfig()
         self.hasher = config.block_hasher()
@@ -64,10 +63,7 @@ class Engine:
         if kv is not None:  # evictions bump the pool's own counters (what a peer reads)
             self.block_manager.allocator.generations = kv.generations
         self.clock = clock
-        self.store = store if kv is not None else None
-        self._released: list[int] = []  # blocks released this step (the store spills them)
-        if self.store is not None:
-            self.block_manager.allocator.on_cached = self._released.append
+        self.store: StoreTier | None = None  # the second cache tier (``attach_store``)
         self._eos_token_ids = frozenset(config.shape.eos_token_ids)
         self.sampler = Sampler(config.seed, config.shape.eos_token_ids)
         self.grammars = Grammars(
@@ -152,8 +148,8 @@ class Engine:
             outputs = self._finish_step(batch, self.runner.execute(batch))
             self.metrics.steps += 1
         self._emit_events()
-        if self._released:
-            self._spill()
+        if self.store is not None:  # what this step released, copied behind it
+            self.store.after_step(self)
         return outputs
 
     def generate(
@@ -190,6 +186,11 @@ class Engine:
         return [results[i] for i in range(params.n)]
 
     # -- cache events and introspection -----------------------------------------------------
+
+    def attach_store(self, store: StoreTier) -> None:
+        """Use ``store`` as this engine's second cache tier (before the first request)."""
+        store.attach(self)
+        self.store = store
 
     def subscribe(self, listener: Callable[[CacheEvents], None]) -> None:
         """Call ``listener`` once per step that published or evicted block hashes."""
@@ -265,7 +266,7 @@ class Engine:
         elif seq.last_token_time is not None:  # (a forked choice's first token has none)
             m.itl_s.append(now - seq.last_token_time)
         seq.last_token_time = now
-        seq.finish_reason = self._commit(seq, token)
+        seq.finish_reason = seq.commit(token, self._eos_token_ids)
         if seq.finish_reason is not None:
             seq.status = SequenceStatus.FINISHED
             self.scheduler.remove(seq)
@@ -284,39 +285,6 @@ class Engine:
             logprobs=None if sample.logprob is None else [sample.logprob],
             prompt_logprobs=prompt_logprobs,
         )
-
-    def _commit(self, seq: Sequence, token: int) -> str | None:
-        """Append ``token`` to ``seq`` (its grammar too); why the sequence ends there, if it
-        does: its grammar complete, a stop token, EOS (unless ignored), or ``max_tokens``."""
-        seq.token_ids.append(token)
-        params = seq.params
-        if seq.grammar is not None:
-            seq.grammar.accept(token)
-            if seq.grammar.complete:
-                return "stop"
-        if token in params.stop_token_ids:
-            return "stop"
-        if token in self._eos_token_ids and not params.ignore_eos:
-            return "stop"
-        return "length" if seq.num_output_tokens >= params.max_tokens else None
-
-    def _spill(self) -> None:
-        """Hand the blocks released this step, still cached, to the store (which copies
-        them behind the step: ``replica.store.tier``)."""
-        assert self.store is not None
-        allocator, cache = self.block_manager.allocator, self.block_manager.prefix_cache
-        assert cache is not None
-        items = []
-        for block in dict.fromkeys(self._released):
-            if allocator.ref_counts[block] or not cache.is_published(block):
-                continue  # revived or evicted since: held, or gone
-            entry = cache.entry(block)
-            parent = entry.parent.block_hash if entry.parent is not None else None
-            generation = int(allocator.generations[block])
-            items.append(SpillItem(block, generation, entry.block_hash, parent, entry.token_ids))
-        self._released.clear()
-        kv = self.runner.kv_cache  # type: ignore[attr-defined]
-        self.store.spill(items, pool_rows(kv.data), allocator.generations)
 
     def _emit_events(self) -> None:
         cache = self.block_manager.prefix_cache

@@ -64,3 +64,18 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def commit(self, token: int, eos_token_ids: frozenset[int]) -> str | None:
+        """Append ``token`` (to the grammar too); why the sequence ends there, if it does:
+        its grammar complete, a stop token, EOS (unless ignored), or ``max_tokens``."""
+        self.token_ids.append(token)
+        params = self.params
+        if self.grammar is not None:
+            self.grammar.accept(token)
+            if self.grammar.complete:
+                return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if token in eos_token_ids and not params.ignore_eos:
+            return "stop"
+        return "length" if self.num_output_tokens >= params.max_tokens else None

@@ -36,86 +36,29 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from replica.store.layout import (
     HAS_PARENT,
-    HEADER,
     HEADER_BYTES,
-    MAGIC,
     VALID,
-    VERSION,
     WRITTEN,
+    PutResult,
+    StoreCounters,
+    StoredBlock,
+    StoreGeometry,
     join_hash,
-    round_up,
+    read_header,
     slot_dtype,
     split_hash,
+    write_header,
 )
 
+__all__ = ["NodeStore", "StoreGeometry", "StoredBlock", "read_header", "write_header"]
+
 RESERVE_BYTES = 64 * 2**20
-
-
-@dataclass(frozen=True)
-class StoreGeometry:
-    """A store's shape: ``num_sets`` sets of ``ways`` slots of ``block_bytes`` each."""
-
-    block_size: int
-    block_bytes: int
-    num_sets: int
-    ways: int = 16
-
-    @classmethod
-    def for_bytes(
-        cls, total_bytes: int, block_size: int, block_bytes: int, ways: int = 16
-    ) -> StoreGeometry:
-        """The most slots (at least one set) that fit ``total_bytes`` with their records."""
-        per_slot = block_bytes + slot_dtype(block_size).itemsize
-        sets = max(1, total_bytes // per_slot // ways)
-        return cls(block_size, block_bytes, sets, ways)
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_sets * self.ways
-
-    @property
-    def data_offset(self) -> int:
-        meta = self.num_slots * slot_dtype(self.block_size).itemsize
-        return round_up(HEADER_BYTES + meta, mmap.PAGESIZE)
-
-    @property
-    def file_bytes(self) -> int:
-        return self.data_offset + self.num_slots * self.block_bytes
-
-
-@dataclass(frozen=True)
-class StoredBlock:
-    """One slot's record as ``find`` read it (consistent: one writer's work)."""
-
-    slot: int
-    seq: int
-    block_hash: bytes
-    parent_hash: bytes | None
-    token_ids: tuple[int, ...]
-
-
-@dataclass
-class StoreCounters:
-    puts: int = 0  # blocks written
-    put_skipped: int = 0  # already held (touched instead)
-    evicted: int = 0  # blocks a put replaced
-    full: int = 0  # puts refused: no free memory for new pages
-    hits: int = 0  # blocks found and read intact
-    torn: int = 0  # blocks found, then changed mid-read
-
-
-@dataclass(frozen=True)
-class PutResult:
-    stored: bool
-    evicted: StoredBlock | None = None  # the block this put replaced
-    evicted_bytes: bytes | None = None  # its KV, when the caller asked to keep it (disk)
 
 
 class NodeStore:
@@ -348,36 +291,3 @@ def _victim(ways: np.ndarray) -> int:
         written = free[(ways["flags"][free] & WRITTEN) != 0]
         return int(written[0] if written.size else free[0])
     return int(np.argmin(ways["used_ns"]))
-
-
-def write_header(region: Any, geometry: StoreGeometry, fingerprint: bytes) -> None:
-    g = geometry
-    header = HEADER.pack(
-        MAGIC,
-        VERSION,
-        g.block_size,
-        g.ways,
-        0,
-        g.num_sets,
-        g.block_bytes,
-        HEADER_BYTES,
-        g.data_offset,
-        fingerprint,
-        time.time_ns(),
-    )
-    region[: len(header)] = header
-
-
-def read_header(raw: bytes) -> tuple[StoreGeometry, bytes] | None:
-    """The geometry and fingerprint a header names, or None if it is not this version's."""
-    if len(raw) < HEADER.size:
-        return None
-    magic, version, bs, ways, _, sets, block_bytes, meta_at, data_at, print_, _ = HEADER.unpack(
-        raw[: HEADER.size]
-    )
-    if magic != MAGIC or version != VERSION or meta_at != HEADER_BYTES or bs <= 0 or ways <= 0:
-        return None
-    geometry = StoreGeometry(bs, block_bytes, sets, ways)
-    if geometry.data_offset != data_at or sets <= 0:
-        return None
-    return geometry, print_

@@ -87,12 +87,28 @@ class StoreTier:
     counters: TierCounters = field(default_factory=TierCounters)
 
     def __post_init__(self) -> None:
+        self._released: list[int] = []  # the engine's blocks released this step
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._idle = threading.Event()
         self._idle.set()
 
     # -- spill ----------------------------------------------------------------------------
+
+    def attach(self, engine: Any) -> None:
+        """Be ``engine``'s tier: hear of every block its pool releases to the cache."""
+        if getattr(engine.runner, "kv_cache", None) is None or engine.has_unfinished_requests():
+            raise ValueError("a store needs a KV pool and an engine that has served nothing")
+        engine.block_manager.allocator.on_cached = self._released.append
+
+    def after_step(self, engine: Any) -> None:
+        """Hand the blocks released in the step to the spiller (the step's end)."""
+        if not self._released:
+            return
+        items = released_blocks(engine.block_manager, self._released)
+        self._released.clear()
+        manager = engine.block_manager
+        self.spill(items, pool_rows(engine.runner.kv_cache.data), manager.allocator.generations)
 
     def spill(self, items: Sequence[SpillItem], pool: np.ndarray, generations: Any) -> None:
         """Copy released blocks of ``pool`` (uint8 rows, one a block) into the store."""
@@ -229,6 +245,20 @@ class StoreTier:
 def _layout(engine: Any) -> tuple[str, tuple[int, ...]]:
     data = engine.runner.kv_cache.data
     return str(data.dtype), tuple(data.shape[1:])
+
+
+def released_blocks(manager: Any, blocks: Sequence[int]) -> list[SpillItem]:
+    """What to spill of ``blocks`` (released this step): those still cached, published."""
+    allocator, cache = manager.allocator, manager.prefix_cache
+    items = []
+    for block in dict.fromkeys(blocks):
+        if allocator.ref_counts[block] or not cache.is_published(block):
+            continue  # revived or evicted since: held, or gone
+        entry = cache.entry(block)
+        parent = entry.parent.block_hash if entry.parent is not None else None
+        generation = int(allocator.generations[block])
+        items.append(SpillItem(block, generation, entry.block_hash, parent, entry.token_ids))
+    return items
 
 
 def pool_rows(kv_data: torch.Tensor) -> np.ndarray:
