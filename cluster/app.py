@@ -35,6 +35,7 @@ def request_router_config(args: ClusterArgs) -> RequestRouterConfig:
         "model_id": args.engine.model_id,
         "index": args.index.model_dump(),
         "pull": args.pull.model_dump(),
+        "store": args.store.model_dump(),
     }
     return RequestRouterConfig(
         request_router_class="router.serve_router:PrefixAwareRequestRouter",

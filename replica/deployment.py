@@ -26,6 +26,7 @@ from ray import serve
 
 from kvindex.config import IndexConfig
 from kvindex.pulls import PullConfig
+from kvindex.stored import StoreConfig
 from kvindex.writer import IndexWriter
 from replica.config import EngineConfig
 from replica.engine import Engine
@@ -34,7 +35,6 @@ from replica.messages import EngineRequest, PullRequest, RequestOutput
 from replica.publisher import IndexPublisher
 from replica.pull import Puller
 from replica.store.build import build_tier
-from replica.store.config import StoreConfig
 from replica.store_publisher import StorePublisher
 
 log = logging.getLogger("ray.serve")

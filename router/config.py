@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from kvindex.pulls import PullConfig
+from kvindex.stored import StoreConfig
 from router.policies import BoundedLoad, CacheAware, PrefixAffinity, RoundRobin, RoutingPolicy
 from router.prefill_cost import CostKnobs, PrefillCost
 
@@ -103,9 +104,11 @@ def routing_config(**fields: Any) -> ServedPolicy | RayRouting:
     return policy_adapter().validate_python({"policy": "prefill_cost", **fields})
 
 
-def make_policy(config: ServedPolicy, pull: PullConfig | None = None) -> RoutingPolicy:
-    """The policy a section of ours names (``pull``: the replicas' pull section, which
-    ``prefill_cost`` prices)."""
+def make_policy(
+    config: ServedPolicy, pull: PullConfig | None = None, store: StoreConfig | None = None
+) -> RoutingPolicy:
+    """The policy a section of ours names (``pull`` and ``store``: the replicas' pull and
+    store sections, which ``prefill_cost`` prices)."""
     if isinstance(config, PrefillCostRouting):
         knobs = CostKnobs(
             config.decode_cost_tokens,
@@ -113,6 +116,7 @@ def make_policy(config: ServedPolicy, pull: PullConfig | None = None) -> Routing
             config.new_prefix_slack,
             config.min_hit_fraction,
             pull if pull is not None and pull.enabled else None,
+            store if store is not None and store.enabled else None,
         )
         return PrefillCost(knobs)
     if isinstance(config, CacheAwareRouting):

@@ -25,6 +25,7 @@ import numpy as np
 
 from kvindex.pulls import PullConfig, pulled_token_column, with_pullable
 from kvindex.records import Booking, ReplicaState, ReplicaTable, RoutingRequest, TableAnswer
+from kvindex.stored import StoreConfig, stored_token_column, with_stored
 from router.bookings import Bookings, Load
 from router.policies import RoutingPolicy, cache_credits
 from router.recent_routes import RecentRoutes
@@ -68,11 +69,13 @@ class RoutingCore:
         policy: RoutingPolicy,
         recent: RecentRoutes | None = None,
         pulls: PullConfig | None = None,
+        stores: StoreConfig | None = None,
     ) -> None:
         self.policy = policy
         self.bookings = Bookings()
         self.recent = recent
         self.pulls = pulls if pulls is not None and pulls.enabled else None
+        self.stores = stores if stores is not None and stores.enabled else None
 
     def states(
         self,
@@ -80,14 +83,18 @@ class RoutingCore:
         answer: Mapping[str, ReplicaState] | None,
         block_hashes: Sequence[bytes],
         queued: Mapping[str, int] | None = None,
+        nodes: Mapping[str, str] | None = None,
     ) -> ReplicaTable:
         """What the policy sees of every candidate (``answer`` None: the index did not
         answer, or the policy does not read it). ``queued``: requests the caller knows to be
-        queued at each replica (a floor for its in-flight count)."""
+        queued at each replica (a floor for its in-flight count). ``nodes``: each
+        candidate's node, whose store it restores from (``kvindex.stored``)."""
         if isinstance(answer, TableAnswer):
             table = self._added(answer.table.take(replica_ids), queued)
         else:
             table = ReplicaTable.of(self._states(replica_ids, answer, block_hashes, queued))
+        if self.stores and answer is not None and nodes:
+            table = with_stored(table, answer, nodes)
         return with_pullable(table) if self.pulls and answer is not None else table
 
     def _added(self, table: ReplicaTable, queued: Mapping[str, int] | None) -> ReplicaTable:
@@ -153,10 +160,18 @@ class RoutingCore:
     def decide(self, request: RoutingRequest, states: Sequence[ReplicaState]) -> Decision:
         table = ReplicaTable.of(states)
         ranking = self.policy.rank(request, table)
+        return Decision(request, ranking, table, self.credits(request, table))
+
+    def credits(self, request: RoutingRequest, table: ReplicaTable) -> np.ndarray:
+        """Prompt tokens each replica will not compute: what it holds, plus the most it
+        restores from its node's store or pulls from another replica."""
         credit = cache_credits(request, table)
+        extra = np.zeros(len(table), np.int64)
         if self.pulls:
-            credit = credit + pulled_token_column(request, table, self.pulls.min_blocks)
-        return Decision(request, ranking, table, credit)
+            extra = pulled_token_column(request, table, self.pulls.min_blocks)
+        if self.stores:
+            extra = np.maximum(extra, stored_token_column(request, table))
+        return credit + extra
 
     def routed(self, decision: Decision, replica_id: str) -> Booking:
         """The request went to ``replica_id`` (not always the first choice): book it."""

@@ -24,6 +24,10 @@ in one rule set:
   has published pulls it instead of recomputing it, so its cost counts those tokens at the
   pull's price (``kvindex.pulls``), a few percent of a prefill. A busy holder then loses a
   hot prefix's overflow, or a conversation, to an idle replica early, at little cost.
+* **Stores** (``store.enabled``; ours alone): a replica restores the blocks its node's
+  store holds beyond its own (``kvindex.stored``), so those tokens cost a copy's price.
+  A prefix evicted from every pool, or left by a replica that died, is still cheap on
+  every replica of the node that kept it.
 * **Ties** break in rendezvous order of the prompt's affinity key: two ingress routers
   make the same choice for the same new prefix, and different prefixes spread.
 
@@ -40,6 +44,7 @@ import numpy as np
 
 from kvindex.pulls import PullConfig, pull_prices, pulled_token_column
 from kvindex.records import ReplicaState, ReplicaTable, RoutingRequest
+from kvindex.stored import StoreConfig, restore_prices, stored_token_column
 from router.policies import RoutingPolicy, cache_credits, rendezvous_weights
 
 EXPLAINED = 8  # replicas an explanation lists (the choice and the cheapest)
@@ -54,6 +59,7 @@ class CostKnobs:
     new_prefix_slack: float = 0.0
     min_hit_fraction: float = 0.5
     pull: PullConfig | None = None  # the replicas pull prefixes: price a pull, not a prefill
+    store: StoreConfig | None = None  # node stores: price a restore, not a prefill
 
 
 class PrefillCost(RoutingPolicy):
@@ -79,7 +85,7 @@ class PrefillCost(RoutingPolicy):
             table.column("booked_prefill_tokens")
             + request.num_prompt_tokens
             - cache_credits(request, table)
-            - self._pull_saving(request, table)
+            - np.maximum(self._pull_saving(request, table), self._store_saving(request, table))
             + self.knobs.decode_cost_tokens * table.column("in_flight")
         )
 
@@ -90,6 +96,15 @@ class PrefillCost(RoutingPolicy):
             return 0
         tokens = pulled_token_column(request, table, pull.min_blocks)
         return np.maximum(0, tokens - pull_prices(pull, tokens))
+
+    def _store_saving(self, request: RoutingRequest, table: ReplicaTable) -> np.ndarray | int:
+        """Prefill tokens a restore from its node's store saves each replica, net of its
+        price (``kvindex.stored``)."""
+        store = self.knobs.store
+        if store is None or not store.enabled:
+            return 0
+        tokens = stored_token_column(request, table)
+        return tokens - restore_prices(store, tokens)
 
     def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> list[str]:
         if not replicas:

@@ -35,6 +35,7 @@ from kvindex.mirror import IndexMirror
 from kvindex.pulls import PullConfig
 from kvindex.reader import Answer, IndexReader
 from kvindex.records import Booking, RoutingRequest
+from kvindex.stored import StoreConfig
 from router import link, routing_stats
 from router.config import ServedPolicy, make_policy, routing_config
 from router.core import Decision, RoutingCore
@@ -53,10 +54,13 @@ class PrefixAwareRequestRouter(RequestRouter):
         model_id: str = "tiny-llama-6m",
         index: dict[str, Any] | None = None,
         pull: dict[str, Any] | None = None,
+        store: dict[str, Any] | None = None,
     ) -> None:
         self.config: ServedPolicy = routing_config(**(routing or {}))  # type: ignore[assignment]
         pulls = PullConfig.model_validate(pull or {})
-        self.core = RoutingCore(make_policy(self.config, pulls), RecentRoutes(), pulls)
+        stores = StoreConfig.model_validate(store or {"enabled": False})
+        policy = make_policy(self.config, pulls, stores)
+        self.core = RoutingCore(policy, RecentRoutes(), pulls, stores)
         self.index_config = index_config = IndexConfig.model_validate(index or {})
         self.index = IndexReader(index_config, model_id)
         # the index as this router follows it: decisions read memory, not Redis, and the
@@ -96,7 +100,8 @@ class PrefixAwareRequestRouter(RequestRouter):
             r.replica_id.unique_id: self.replica_queue_len_cache.get(r.replica_id) or 0
             for r in candidate_replicas
         }
-        states = self.core.states(list(by_id), answer, request.block_hashes, queued)
+        nodes = {rid: r.node_id for rid, r in by_id.items()} if self.core.stores else None
+        states = self.core.states(list(by_id), answer, request.block_hashes, queued, nodes)
         decision = self.core.decide(request, states)
         self._decisions[request.request_id] = decision
         self.stats.record_decision(

@@ -1,4 +1,4 @@
-"""The mirror's block -> holders table (``kvindex.holder_table``) against a plain dict of sets,
+"""The mirror's block -> holders table (``kvindex.mirror.holder_table``) against a dict of sets,
 after random adds, removes and purges that grow it past its window, fill its overflow and
 shrink it again."""
 
@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from kvindex.holder_table import HolderTable, block_keys
+from kvindex.mirror.holder_table import HolderTable, block_keys
 
 
 def model_runs(model: dict[int, set[int]], keys: list[int], live: set[int]) -> dict[int, int]:

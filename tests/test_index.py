@@ -55,7 +55,7 @@ def test_the_query_reply_names_replica_state_fields() -> None:
     fields = {f.name for f in dataclasses.fields(ReplicaState)}
     assert set(QUERY_FIELDS) <= fields and len(set(QUERY_FIELDS)) == len(QUERY_FIELDS)
     # the answer fills every field but what the router derives from the others' runs
-    assert set(QUERY_FIELDS) == fields - {"replica_id", "pullable_blocks"}
+    assert set(QUERY_FIELDS) == fields - {"replica_id", "pullable_blocks", "stored_blocks"}
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:

@@ -18,7 +18,7 @@ import redis
 from kvindex.config import IndexConfig
 from kvindex.hashing import BlockHasher
 from kvindex.mirror import SNAPSHOT_CHUNK, IndexMirror
-from kvindex.mirror_state import MirrorState
+from kvindex.mirror.state import MirrorState
 from kvindex.reader import IndexReader
 from kvindex.records import Booking, RoutingRequest
 from kvindex.writer import IndexWriter

@@ -30,7 +30,7 @@ from bench.harness.private_ray import PrivateRay
 from bench.harness.redis_server import free_port
 from cluster.config import ClusterArgs
 from kvindex.reader import IndexReader
-from replica.store.config import store_namespace
+from kvindex.stored import store_namespace
 from replica.store.files import remove_cluster_stores
 
 REPO = Path(__file__).resolve().parents[2]

@@ -20,8 +20,8 @@ import numpy as np
 import redis
 
 from kvindex.config import IndexConfig
-from kvindex.holder_table import HolderTable
 from kvindex.mirror import IndexMirror
+from kvindex.mirror.holder_table import HolderTable
 from kvindex.reader import IndexReader
 from kvindex.records import Booking, RoutingRequest
 from kvindex.writer import IndexWriter

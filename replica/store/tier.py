@@ -17,8 +17,9 @@ seqlock's rule), then the disk tier (bytes with a checksum). Both go through
 the receiver's own hash, parent) and publishes them: the request then hits them like any
 cached prefix, and ``cached_tokens`` counts them.
 
-What the store gains and loses is reported to ``listeners`` (the index publisher) as
-``StoreEvents``: the tier's events are the store's, whichever replica caused them.
+What this engine's spills add to the store and evict from it is reported to
+``listeners`` as ``CacheEvents`` (the simulator's index keeps the store's entry so; a
+replica's index entry for the store is published by ``replica.store_publisher``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from replica.engine.prefix_cache import CacheEvents
 from replica.engine.transfer import ExportedBlock, PrefixExport, import_prefix
 from replica.store.disk import DiskBlock, DiskTier
 from replica.store.node_store import NodeStore
@@ -51,12 +53,6 @@ class SpillItem:
     block_hash: bytes
     parent_hash: bytes | None
     token_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class StoreEvents:
-    stored: tuple[bytes, ...]
-    removed: tuple[bytes, ...]
 
 
 @dataclass
@@ -83,7 +79,7 @@ class StoreTier:
     disk: DiskTier | None = None
     disk_after_uses: int = 2
     background: bool = True
-    listeners: list[Callable[[StoreEvents], None]] = field(default_factory=list)
+    listeners: list[Callable[[CacheEvents], None]] = field(default_factory=list)
     counters: TierCounters = field(default_factory=TierCounters)
 
     def __post_init__(self) -> None:
@@ -175,7 +171,7 @@ class StoreTier:
         if not stored and not removed:
             return
         gone = set(removed) - set(stored)
-        events = StoreEvents(tuple(stored), tuple(h for h in removed if h in gone))
+        events = CacheEvents(tuple(stored), tuple(h for h in removed if h in gone))
         for listener in self.listeners:
             listener(events)
 

@@ -34,7 +34,7 @@ from redis.retry import Retry
 
 from kvindex import keys, scripts
 from kvindex.config import IndexConfig
-from kvindex.mirror_state import MirrorState
+from kvindex.mirror.state import MirrorState
 from kvindex.reader import Answer
 
 SNAPSHOT_CHUNK = 32  # replicas whose blocks one round trip of a snapshot reads

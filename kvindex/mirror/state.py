@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from kvindex.hashing import id_hash
-from kvindex.holder_table import HolderTable, block_keys
+from kvindex.mirror.holder_table import HolderTable, block_keys
 from kvindex.records import COLUMNS, ReplicaTable, TableAnswer
 
 HASH_BYTES = 16
@@ -188,6 +188,7 @@ class MirrorState:
             "predicted_blocks": predicted,
             "footprint_blocks": self.holders.count[slots],
             "pullable_blocks": np.zeros(slots.size, np.int64),
+            "stored_blocks": np.zeros(slots.size, np.int64),
         }
         assert set(columns) == set(COLUMNS)
         table = ReplicaTable(

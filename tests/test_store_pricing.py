@@ -1,0 +1,111 @@
+"""The store rule (``kvindex.stored``) as the router uses it, and the store's index entry
+(``replica.store_publisher``) on a real Redis: a replica whose node's store holds a prefix
+is credited for it at a copy's price, a store is never a pull source or a replica, and
+one replica per node publishes what the store holds."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from test_policies import request, state
+
+from kvindex.config import IndexConfig
+from kvindex.pulls import PullConfig, pull_source
+from kvindex.reader import IndexReader
+from kvindex.records import ReplicaTable, store_id
+from kvindex.stored import StoreConfig, restore_prices, stored_token_column, with_stored
+from kvindex.writer import IndexWriter
+from replica.store.layout import StoreGeometry
+from replica.store.node_store import NodeStore
+from replica.store_publisher import StorePublisher
+from router.core import RoutingCore
+from router.prefill_cost import CostKnobs, PrefillCost
+
+STORE = StoreConfig(token_cost=0.05)
+
+
+def test_a_replica_is_credited_with_its_nodes_store_run_beyond_what_it_holds() -> None:
+    table = ReplicaTable.of([state("a", cached_blocks=2), state("b"), state("c")])
+    answer = {
+        "a": state("a", cached_blocks=2),
+        store_id("n1"): state(store_id("n1"), cached_blocks=6),
+    }
+    nodes = {"a": "n1", "b": "n1", "c": "n2"}
+    stored = with_stored(table, answer, nodes)
+    assert stored.column("stored_blocks").tolist() == [6, 6, 0]
+    req = request(1, num_blocks=8, extra=0)  # 7 usable blocks
+    assert stored_token_column(req, stored).tolist() == [4 * 16, 6 * 16, 0]
+    assert restore_prices(STORE, np.array([96, 0])).tolist() == [5, 0]  # ceil(96 x 0.05)
+
+
+def test_the_router_prefers_a_replica_that_restores_over_one_that_recomputes() -> None:
+    req = request(1, num_blocks=8, extra=0)
+    replicas = [state("a", in_flight=1), state("b", in_flight=1)]
+    answer = {store_id("n2"): state(store_id("n2"), cached_blocks=8)}
+    nodes = {"a": "n1", "b": "n2"}
+    plain = RoutingCore(PrefillCost(CostKnobs(decode_cost_tokens=10)))
+    core = RoutingCore(PrefillCost(CostKnobs(decode_cost_tokens=10, store=STORE)), stores=STORE)
+    table = core.states(
+        ["a", "b"], {**{s.replica_id: s for s in replicas}, **answer}, [], None, nodes
+    )
+    decision = core.decide(req, table)
+    assert decision.ranking[0] == "b" and decision.credit("b") == 7 * 16
+    assert decision.credit("a") == 0
+    costs = core.policy.costs(req, table)
+    assert costs["a"] - costs["b"] == 7 * 16 - int(np.ceil(7 * 16 * 0.05))
+    # without the store rule, the stored run is worth nothing
+    flat = plain.states(["a", "b"], {s.replica_id: s for s in replicas}, [], None, nodes)
+    assert plain.decide(req, flat).credit("b") == 0
+
+
+def test_a_store_is_never_a_pull_source() -> None:
+    states = [state("a"), state(store_id("n1"), cached_blocks=8)]
+    assert pull_source(states, "a", min_blocks=1) is None
+    assert PullConfig().enabled is False
+
+
+def _store() -> NodeStore:
+    return NodeStore.anonymous(StoreGeometry(4, 8, 4, 2))
+
+
+def _key(i: int) -> bytes:
+    return (i * 4).to_bytes(8, "little") + bytes([i] * 8)
+
+
+def test_one_replica_per_node_publishes_the_store_and_the_index_follows(
+    fresh_redis, tmp_path
+) -> None:
+    config = IndexConfig(url=fresh_redis.url, cluster="stores")
+    store = _store()
+    lock = str(tmp_path / "store.publisher")
+    stats = dict
+    first = StorePublisher(store, lock, "n1", lambda: IndexWriter(config, "m"), stats, 0.05).start()
+    second = StorePublisher(
+        store, lock, "n1", lambda: IndexWriter(config, "m"), stats, 0.05
+    ).start()
+    reader = IndexReader(config, "m")
+    try:
+        store.put(_key(1), None, [1] * 4, np.ones(8, np.uint8))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and reader.replica_blocks(store_id("n1")) != {_key(1)}:
+            time.sleep(0.05)
+        assert reader.replica_blocks(store_id("n1")) == {_key(1)}
+        assert [first.leading, second.leading].count(True) == 1
+        assert store_id("n1") not in reader.live_replicas()  # not a replica
+        assert store_id("n1") in reader.live_replicas(stores=True)
+        store.discard(_key(1))
+        store.put(_key(2), _key(1), [2] * 4, np.ones(8, np.uint8))
+        while time.monotonic() < deadline and reader.replica_blocks(store_id("n1")) != {_key(2)}:
+            time.sleep(0.05)
+        assert reader.replica_blocks(store_id("n1")) == {_key(2)}
+        leader = first if first.leading else second
+        leader.close()  # its lock goes to the other, which publishes the whole store again
+        other = second if leader is first else first
+        while time.monotonic() < deadline and not other.leading:
+            time.sleep(0.05)
+        assert other.leading
+    finally:
+        first.close()
+        second.close()
+        reader.close()
