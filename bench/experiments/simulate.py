@@ -7,6 +7,8 @@ per replica. ``--calibrate`` measures the real engine first and stores the cost 
 A policy named with ``+pull`` (``prefill_cost+pull``) runs with the replicas pulling
 prefixes from each other (``kvindex.pulls``; ``--pull`` sets the pull section as JSON), priced
 by our policies, ignored by the peers' (their replicas still pull: a pull is the replica's).
+``--store-blocks N`` gives every ``--replicas-per-node`` replicas a node store of N blocks
+(``kvindex.stored``): every policy's replicas restore from it; ours price it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from bench.sim.peer_policies import DynamoKV, RayPrefixSim, SGLangCacheAware
 from bench.sim.simulator import Simulation
 from bench.workloads import TraceRequest, fast_engine, oracle_hit_rate
 from kvindex.pulls import PullConfig
+from kvindex.stored import StoreConfig
 from replica.checkpoints import checkpoint_for
 from replica.config import EngineConfig
 from router.config import make_policy
@@ -50,7 +53,11 @@ PEER_MODELS: dict[str, Callable[[], RoutingPolicy]] = {
 
 
 def sim_policy(
-    name: str, epsilon: float = 0.25, knobs: str | None = None, pull: PullConfig | None = None
+    name: str,
+    epsilon: float = 0.25,
+    knobs: str | None = None,
+    pull: PullConfig | None = None,
+    store: StoreConfig | None = None,
 ) -> RoutingPolicy:
     """A policy by name: ours (``knobs``, JSON, overrides its routing section's fields;
     ``epsilon`` goes to the policies that have one; ``pull`` is priced by ``prefill_cost``)
@@ -58,7 +65,8 @@ def sim_policy(
     ``ray_prefix_sim_t10``)."""
     if name in PEER_MODELS:
         return PEER_MODELS[name]()
-    return make_policy(our_routing(name, epsilon, json.loads(knobs) if knobs else {}), pull)
+    fields = json.loads(knobs) if knobs else {}
+    return make_policy(our_routing(name, epsilon, fields), pull, store)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--knobs", help='RoutingConfig overrides as JSON, e.g. {"decode_cost_tokens": 8}'
     )
+    parser.add_argument(
+        "--store-blocks", type=int, default=0, help="node store slots per node (0: no store)"
+    )
+    parser.add_argument("--replicas-per-node", type=int, default=8)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -140,17 +152,23 @@ def _simulate(
     if name not in SIMULATED:
         return {"error": "not simulated: Ray's own routers run only on the real cluster"}
     t0 = time.monotonic()
+    store = StoreConfig() if args.store_blocks else None
     sim = Simulation(
-        sim_policy(name, args.epsilon, args.knobs, pull),
+        sim_policy(name, args.epsilon, args.knobs, pull, store),
         replicas,
         engine,
         cost,
         args.max_ongoing_requests,
         pull=pull,
+        store=store,
+        store_blocks=args.store_blocks,
+        replicas_per_node=args.replicas_per_node,
     )
     results, makespan = sim.run(trace)
     metrics = summarize(results, makespan, sorted(sim.replicas))
     pulls = {"pulls": sim.tally.pulls, "pulled_blocks": sim.tally.pulled_blocks} if pull else {}
+    if store is not None:
+        pulls["restored_blocks"] = sim.tally.restored_blocks
     return (
         metrics
         | pulls

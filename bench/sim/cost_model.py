@@ -37,6 +37,9 @@ class CostModel:
     pull_call_s: float = 0.0
     pull_block_s: float = 0.0
     pull_measured: str = ""
+    # a block restored from a node store: find, copy out of shared memory, verify, publish
+    # (SmolLM2 bfloat16, 368,640-byte blocks; docs/results.md, "Second cache tier")
+    store_block_s: float = 1.4e-4
 
     def pull_time(self, blocks: int) -> float:
         return self.pull_call_s + self.pull_block_s * blocks

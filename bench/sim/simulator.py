@@ -14,6 +14,13 @@ replica does and, by the same rule (``kvindex.pulls.pull_source``), pulls the bl
 replica has published: the real ``export_prefix`` and ``import_prefix`` move the blocks'
 metadata (the cost model's one-byte stand-in for their KV), and the request is admitted
 after the cost model's pull time, holding its slot meanwhile.
+
+With node stores (``store``, ``store_blocks``), every ``replicas_per_node`` replicas share
+one real ``replica.store.NodeStore`` of ``store_blocks`` slots (one byte of "KV" each, as
+the pools): released blocks spill into it and a request's stored blocks are restored
+before admission, by the engine's own tier code; a restored block costs the engine's
+thread ``CostModel.store_block_s``. The store's entry in the index follows its events,
+and the routing core credits it to the node's replicas (``kvindex.stored``).
 """
 
 from __future__ import annotations
@@ -29,13 +36,17 @@ from bench.sim.cost_model import Clock, CostModel, CostRunner
 from bench.sim.index import SimIndex
 from bench.workloads import TraceRequest
 from kvindex.pulls import PullConfig, pull_source
-from kvindex.records import RoutingRequest
+from kvindex.records import RoutingRequest, store_id
+from kvindex.stored import StoreConfig
 from replica.checkpoints import checkpoint_for
 from replica.config import EngineConfig
 from replica.engine import Engine
 from replica.engine.transfer import PrefixExport, export_prefix, import_prefix
 from replica.messages import RequestOutput
 from replica.sampling.params import SamplingParams
+from replica.store.layout import StoreGeometry
+from replica.store.node_store import NodeStore
+from replica.store.tier import StoreTier
 from router.core import RoutingCore
 from router.policies import RoutingPolicy
 
@@ -68,6 +79,7 @@ class PullTally:
     pulls: int = 0
     pulled_blocks: int = 0
     pull_s: float = 0.0
+    restored_blocks: int = 0  # from node stores
 
 
 class Simulation:
@@ -83,11 +95,15 @@ class Simulation:
         affinity_blocks: int = 4,
         predict_ttl_s: float = 5.0,
         pull: PullConfig | None = None,
+        store: StoreConfig | None = None,
+        store_blocks: int = 0,
+        replicas_per_node: int = 8,
     ) -> None:
         self.pull = pull if pull is not None and pull.enabled else None
+        self.store = store if store is not None and store.enabled and store_blocks else None
         self.cost = cost
         self.tally = PullTally()
-        self.core = RoutingCore(policy, pulls=self.pull)
+        self.core = RoutingCore(policy, pulls=self.pull, stores=self.store)
         self.config = config
         self.hasher = config.block_hasher()
         self.tokenizer = checkpoint_for(config.model).tokenizer()
@@ -95,13 +111,29 @@ class Simulation:
         self.affinity_blocks = affinity_blocks
         self.index = SimIndex(predict_ttl_s)
         self.replicas: dict[str, SimReplica] = {}
+        self.nodes: dict[str, str] = {}  # replica -> its node
+        self.stores: dict[str, NodeStore] = {}  # node -> its store
         for i in range(num_replicas):
             rid = f"sim-{i:04d}"
             clock = Clock()
             runner = CostRunner(cost, clock, config.shape.vocab_size, config.num_blocks)
             engine = Engine(config, runner=runner, clock=clock)
             engine.subscribe(self.index.listener(rid))
+            self.nodes[rid] = f"node-{i // replicas_per_node:04d}"
+            if self.store is not None:
+                self._attach_store(engine, self.nodes[rid], store_blocks)
             self.replicas[rid] = SimReplica(rid, engine, clock, runner)
+        self._entries = [*self.replicas, *(store_id(n) for n in self.stores)]
+
+    def _attach_store(self, engine: Engine, node: str, store_blocks: int) -> None:
+        assert self.store is not None
+        if node not in self.stores:
+            ways = self.store.ways
+            geometry = StoreGeometry(self.config.block_size, 1, max(1, store_blocks // ways), ways)
+            self.stores[node] = NodeStore.anonymous(geometry)
+        tier = StoreTier(self.stores[node], background=False)
+        tier.listeners.append(self.index.listener(store_id(node)))
+        engine.attach_store(tier)
 
     def reset(self, trace: Sequence[TraceRequest]) -> None:
         """Empty queues and a result slot for each request of ``trace`` (``run`` starts so)."""
@@ -166,8 +198,10 @@ class Simulation:
         route, ids = pending.route, list(self.replicas)
         answer = None
         if self.core.policy.uses_index:
-            answer = self.index.query(route.block_hashes, ids, t)
-        decision = self.core.decide(route, self.core.states(ids, answer, route.block_hashes))
+            answer = self.index.query(route.block_hashes, self._entries, t)
+        nodes = self.nodes if self.store is not None else None
+        states = self.core.states(ids, answer, route.block_hashes, nodes=nodes)
+        decision = self.core.decide(route, states)
         for rid in decision.ranking:
             replica = self.replicas[rid]
             if replica.busy_slots >= self.max_ongoing:
@@ -214,7 +248,13 @@ class Simulation:
             self.tally.pulled_blocks += result.imported
         req = pending.request
         params = SamplingParams(max_tokens=req.max_tokens, ignore_eos=True)
+        tier = replica.engine.store
+        restored = tier.counters.restored_blocks if tier is not None else 0
         replica.engine.add_request(req.request_id, pending.token_ids, params, arrival_time=t)
+        if tier is not None:  # the restore's copies, on the engine's thread
+            restored = tier.counters.restored_blocks - restored
+            self.tally.restored_blocks += restored
+            replica.runner.owed_s += self.cost.store_block_s * restored
         if not replica.stepping:
             replica.stepping = True
             self._push(max(t, replica.clock.now), "step", replica.replica_id)
