@@ -19,6 +19,7 @@ from bench.experiments import (
     simulate,
     speed,
     stack,
+    store,
     structured,
 )
 
@@ -31,6 +32,7 @@ EXPERIMENTS = {
     "scheduling": (scheduling, "chunked prefill and the admission reserve on one engine"),
     "index": (index, "Redis index query latency, publish throughput, memory"),
     "pull": (pull, "a prefix computed, hit locally, pulled from another replica: TTFT"),
+    "store": (store, "a prefix computed, hit locally, restored from the node store: TTFT"),
     "routing": (routing, "routing policies compared on the real cluster: JSON, Markdown, PNG"),
     "simulate": (simulate, "the same policies and cache code on simulated replicas"),
     "autoscale": (autoscale, "replicas follow a rising and falling load: JSON, Markdown, PNG"),

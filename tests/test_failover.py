@@ -3,8 +3,12 @@ client gets exactly the text and token count it gets without a failure."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Iterator
 
+import openai
 import pytest
 from conftest import keep_logs, tiny
 from streams import resumed, run_streams
@@ -71,3 +75,43 @@ def test_streams_on_a_killed_replica_resume_token_for_token(cluster: ServeCluste
             assert got.usage[key] == want.usage[key]  # every output token counted once
     assert resumed(cluster) - before >= len(on_victim)
     assert_no_leaked_blocks(cluster, timeout_s=60)  # survivors, and bookings released
+
+
+def test_a_prefix_outlives_its_sigkilled_replica_in_the_node_store(cluster: ServeCluster) -> None:
+    """A prompt computed on X, X SIGKILLed: the same prompt again (on the other replica, or
+    X's replacement) restores the prefix from the node store, with the same greedy reply."""
+    client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="x", max_retries=0)
+    messages = [
+        {"role": "system", "content": "You keep a ledger of every storm and its date. " * 12},
+        {"role": "user", "content": "Which storm came first?"},
+    ]
+
+    def ask() -> tuple[str, int, int, str]:
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, max_tokens=24, temperature=0.0
+        )
+        reply = raw.parse()
+        usage = reply.usage
+        cached = usage.prompt_tokens_details.cached_tokens
+        return (
+            reply.choices[0].message.content,
+            usage.prompt_tokens,
+            cached,
+            raw.headers["x-replica-id"],
+        )
+
+    first, prompt_tokens, cached, holder = ask()
+    assert cached == 0 and prompt_tokens >= 400
+    time.sleep(1.0)  # released, spilled (behind the step), and the stats say where X runs
+    os.kill(cluster.stats()["replicas"][holder]["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            again, _, cached, served_by = ask()
+            break
+        except openai.APIError:  # X's death seen mid-request: the client retries
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+    assert served_by != holder
+    assert cached >= (prompt_tokens - 1) // 16 * 16 - 16  # all but the partial last block
+    assert again == first

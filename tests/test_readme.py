@@ -12,6 +12,7 @@ from pydantic import BaseModel
 from bench.__main__ import EXPERIMENTS
 from cluster.config import Autoscaling, ClusterArgs
 from kvindex.config import IndexConfig
+from kvindex.stored import StoreConfig
 from replica.config import EngineConfig
 from router.config import SECTIONS
 
@@ -34,6 +35,7 @@ def test_every_configuration_field_is_documented() -> None:
         EngineConfig,
         *SECTIONS,
         IndexConfig,
+        StoreConfig,
     ]
     missing = [
         f"{model.__name__}.{name}"

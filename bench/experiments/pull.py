@@ -195,8 +195,8 @@ def cluster_pulls(args: argparse.Namespace) -> dict[str, Any]:
             client = openai.OpenAI(
                 base_url=f"{cluster.base_url}/v1", api_key="x", max_retries=0, timeout=120
             )
-            _first_token(client, config.model_id, "warm up", "hi")  # and a second: both warm
-            _first_token(client, config.model_id, "warm up", "hi")
+            first_token(client, config.model_id, "warm up", "hi")  # and a second: both warm
+            first_token(client, config.model_id, "warm up", "hi")
             measured = {n: _pull_rounds(client, config.model_id, args, n) for n in sizes(args)}
             time.sleep(2 * 0.5 + 0.5)  # the replicas' counters, a stats period later
             stats = cluster.stats()["replicas"]
@@ -221,9 +221,9 @@ def _pull_rounds(
     cached: list[int] = []
     tokenizer = checkpoint_for(args.model).tokenizer()
     for rep in range(args.repeats):
-        system = _system_prompt(tokens * 1000 + rep, tokens, tokenizer)
+        system = system_prompt(tokens * 1000 + rep, tokens, tokenizer)
         for mode in ("computed", "pulled", "local_hit"):  # round robin: X, Y, X
-            ttft, usage, replica = _first_token(client, model, system, f"Question {rep}{mode}?")
+            ttft, usage, replica = first_token(client, model, system, f"Question {rep}{mode}?")
             seconds[mode].append(ttft)
             replicas[mode].append(replica)
             if mode == "pulled":
@@ -233,7 +233,7 @@ def _pull_rounds(
     return {"seconds": seconds, "pulled_cached_tokens_min": min(cached), "replicas": replicas}
 
 
-def _system_prompt(seed: int, tokens: int, tokenizer: Any) -> str:
+def system_prompt(seed: int, tokens: int, tokenizer: Any) -> str:
     """At most ``tokens`` tokens (and nearly that many) of text no other repeat shares."""
     words_in = ("alpha", "river", "stone", "policy", "garden", "signal", "copper", "window")
     rng = random.Random(seed)
@@ -245,7 +245,7 @@ def _system_prompt(seed: int, tokens: int, tokenizer: Any) -> str:
     return text
 
 
-def _first_token(client: openai.OpenAI, model: str, system: str, question: str) -> tuple:
+def first_token(client: openai.OpenAI, model: str, system: str, question: str) -> tuple:
     start = time.perf_counter()
     raw = client.chat.completions.with_raw_response.create(
         model=model,
