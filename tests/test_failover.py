@@ -101,7 +101,7 @@ def test_a_prefix_outlives_its_sigkilled_replica_in_the_node_store(cluster: Serv
         )
 
     first, prompt_tokens, cached, holder = ask()
-    assert cached == 0 and prompt_tokens >= 400
+    assert cached <= 32 and prompt_tokens >= 400  # at most the chat template's head
     time.sleep(1.0)  # released, spilled (behind the step), and the stats say where X runs
     os.kill(cluster.stats()["replicas"][holder]["pid"], signal.SIGKILL)
     deadline = time.monotonic() + 120
