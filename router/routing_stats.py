@@ -29,6 +29,20 @@ _REPLICA_KEYS = (
     "num_running",
     "num_waiting",
     "preemptions",
+    # pulls (replica.pull) and the node store (replica.store): counted apart
+    "pulls",
+    "pulled_blocks",
+    "pulled_bytes",
+    "pull_seconds",
+    "pulls_failed",
+    "pull_blocks_refused",
+    "store_spilled_blocks",
+    "store_spill_dropped",
+    "store_restored_blocks",
+    "store_restored_disk_blocks",
+    "store_restore_rejected",
+    "store_restore_seconds",
+    "store_blocks",
 )
 REPLICA_GAUGES = {
     key: Gauge(f"prefix_serve_replica_{key}", f"Engine replica {key} (routing stats)", ["replica"])
@@ -66,7 +80,7 @@ class RouterStats:
         per-replica gauges)."""
         for rid, values in replica_stats.items():
             for key, gauge in REPLICA_GAUGES.items():
-                if key in values:
+                if isinstance(values.get(key), int | float):
                     gauge.labels(rid).set(values[key])
         return {
             "policy": self.policy,

@@ -364,6 +364,9 @@ def test_health_models_and_metrics(cluster: ServeCluster, client: openai.OpenAI)
         "prefix_serve_replica_blocks_free",
         "prefix_serve_replica_blocks_cached",
         "prefix_serve_replica_blocks_in_use",
+        "prefix_serve_replica_store_spilled_blocks",  # the node store, on by default
+        "prefix_serve_replica_store_restored_blocks",
+        "prefix_serve_replica_pulls_failed",
     ):
         assert name in text, name
     stats = cluster.stats()

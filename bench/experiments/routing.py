@@ -3,7 +3,8 @@
 For each arrival rate and policy: start ``serve run`` (Ray Serve, engine replicas, the Redis
 index) with that policy, warm it up, replay the trace over HTTP as an outside client
 (streaming), read the engines' own counters from the index, stop the cluster. Writes
-``results.json``, ``results.md`` and PNG plots to ``--out``.
+``results.json``, ``results.md`` and PNG plots to ``--out``. The node store is on, as by
+default; a policy named with ``+nostore`` (``prefill_cost+nostore``) runs without it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from cluster.config import ClusterArgs
 from kvindex.config import IndexConfig
 from kvindex.pulls import PullConfig
 from kvindex.reader import IndexReader
+from kvindex.stored import StoreConfig
 from replica.checkpoints import TINY_MODEL, checkpoint_for
 from replica.config import EngineConfig
 from router.config import RayRouting, ServedPolicy, routing_config
@@ -53,6 +55,14 @@ def our_routing(policy: str, epsilon: float, knobs: dict[str, Any]) -> ServedPol
     if policy == "ray_default":
         fields["router_class"] = TIMED_RAY_DEFAULT
     return routing_config(**fields, **knobs)
+
+
+def split_store(name: str) -> tuple[str, StoreConfig]:
+    """``prefill_cost+nostore`` -> (``prefill_cost``, the store off); else the default
+    store (on)."""
+    if name.endswith("+nostore"):
+        return name.removesuffix("+nostore"), StoreConfig(enabled=False)
+    return name, StoreConfig()
 
 
 def split_pull(name: str, pull_json: str | None = None) -> tuple[str, PullConfig | None]:
@@ -172,7 +182,8 @@ def run_policy(
 ) -> dict[str, Any]:
     namespace = f"exp-{os.getpid()}-{time.monotonic_ns()}"
     knobs = json.loads(args.knobs) if args.knobs else {}
-    name, pull = split_pull(policy, args.pull)
+    name, store = split_store(policy)
+    name, pull = split_pull(name, args.pull)
     cluster_args = ClusterArgs(
         num_replicas=int(args.replicas),
         ingress_replicas=args.ingress_replicas,
@@ -181,6 +192,7 @@ def run_policy(
         routing=our_routing(name, args.epsilon, knobs),
         index=_index_config(args, redis_url, namespace),
         pull=pull or PullConfig(),
+        store=store,
     )
     cluster = ServeCluster(cluster_args)
     try:
