@@ -5,6 +5,9 @@ and the block accounting adds up in the pool and in the store."""
 
 from __future__ import annotations
 
+import errno
+import os
+
 import numpy as np
 import pytest
 from conftest import tiny
@@ -152,3 +155,23 @@ def test_a_full_store_refuses_puts_and_serving_goes_on() -> None:
     first = served(engine)
     assert store.num_blocks == 0 and store.counters.full >= 8
     assert served(engine).token_ids == first.token_ids
+
+
+def test_a_full_disk_skips_the_write_and_serving_goes_on(tmp_path, monkeypatch) -> None:
+    config = tiny(num_blocks=12)
+    store = node_store(config, sets=1, ways=2)
+    disk = DiskTier(str(tmp_path), "t", store.fingerprint, BS, store.geometry.block_bytes, 10**9)
+    real_replace = os.replace
+
+    def no_space(src, dst):  # the rename fails as a full disk's write would
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", no_space)
+    engine = with_tier(config, store, disk=disk, disk_after_uses=1)
+    first = served(engine)
+    evict_everything(engine)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert disk.counters.write_failures > 0 and disk.counters.writes == 0
+    assert not [n for n in os.listdir(disk.directory)]  # no temporary file left behind
+    again = served(engine)
+    assert again.token_ids == first.token_ids
