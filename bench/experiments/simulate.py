@@ -8,7 +8,8 @@ A policy named with ``+pull`` (``prefill_cost+pull``) runs with the replicas pul
 prefixes from each other (``kvindex.pulls``; ``--pull`` sets the pull section as JSON), priced
 by our policies, ignored by the peers' (their replicas still pull: a pull is the replica's).
 ``--store-blocks N`` gives every ``--replicas-per-node`` replicas a node store of N blocks
-(``kvindex.stored``): every policy's replicas restore from it; ours price it.
+(``kvindex.stored``): every policy's replicas restore from it; ours price it (a policy
+named with ``+nostore`` runs without it, as on the real cluster).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from bench.experiments.routing import (
     our_routing,
     section_name,
     split_pull,
+    split_store,
     traces,
 )
 from bench.report import summarize, write_report
@@ -148,11 +150,12 @@ def _simulate(
     cost: CostModel,
     trace: list[TraceRequest],
 ) -> dict[str, Any]:
-    name, pull = split_pull(policy, args.pull)
+    name, stored = split_store(policy)
+    name, pull = split_pull(name, args.pull)
     if name not in SIMULATED:
         return {"error": "not simulated: Ray's own routers run only on the real cluster"}
     t0 = time.monotonic()
-    store = StoreConfig() if args.store_blocks else None
+    store = stored if stored.enabled and args.store_blocks else None
     sim = Simulation(
         sim_policy(name, args.epsilon, args.knobs, pull, store),
         replicas,
