@@ -100,7 +100,9 @@ class PrefixAwareRequestRouter(RequestRouter):
             r.replica_id.unique_id: self.replica_queue_len_cache.get(r.replica_id) or 0
             for r in candidate_replicas
         }
-        nodes = {rid: r.node_id for rid, r in by_id.items()} if self.core.stores else None
+        nodes = None
+        if self.core.stores:  # where each candidate runs: its node's store serves it
+            nodes = {rid: r.node_id for rid, r in by_id.items() if r.node_id}
         states = self.core.states(list(by_id), answer, request.block_hashes, queued, nodes)
         decision = self.core.decide(request, states)
         self._decisions[request.request_id] = decision
