@@ -27,6 +27,9 @@ from replica.engine.scheduler import ScheduledBatch
 from replica.model.cpu import resolve_dtype
 from replica.model.runner import ModelRunner
 from replica.sampling.params import StructuredOutput
+from replica.store.layout import StoreGeometry, fingerprint
+from replica.store.node_store import NodeStore
+from replica.store.tier import StoreTier
 
 NEW_TOKENS = 128
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -213,4 +216,29 @@ def test_constrained_requests_are_invariant_too(runner, prompts, dtype) -> None:
     while engine.has_unfinished_requests():
         finished |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
     assert [finished[f"half{i}"] for i in range(len(cases))] == [t for t, _ in solo]
+    engine.check_invariants()
+
+
+@pytest.mark.parametrize("dtype", [SERVED])
+def test_a_prefix_restored_from_the_node_store_changes_nothing(runner, prompts, alone, dtype):
+    """Every prompt run once (its blocks spill into a node store when released), the pool
+    then emptied, and every prompt run again: each restores its prefix from the store,
+    with the same tokens and bitwise the same logits as with nothing cached."""
+    digests = Digests(runner)
+    digests.kv_cache = runner.kv_cache  # the pool the tier copies out of and into
+    engine = Engine(EngineConfig(model=SMOLLM2, dtype="auto", num_blocks=768), runner=digests)
+    data = runner.kv_cache.data
+    layout = (str(data.dtype), tuple(data.shape[1:]))
+    print_ = fingerprint(engine.hasher.model_id, engine.hasher.block_size, b"", layout)
+    geometry = StoreGeometry(engine.hasher.block_size, data[0].nbytes, 64, 16)  # 1,024 slots
+    engine.attach_store(StoreTier(NodeStore.anonymous(geometry, print_), background=False))
+    engine.generate(prompts, SamplingParams(max_tokens=1))
+    assert engine.reset_prefix_cache()
+    digests.rows.clear()
+    outs = engine.generate(prompts, GREEDY)
+    assert engine.store is not None  # the longest prompt alone restores this many blocks:
+    assert engine.store.counters.restored_blocks >= max((len(p) - 1) // 16 for p in prompts)
+    restored = [o.num_cached_tokens for o in outs]
+    assert restored == [(len(p) - 1) // 16 * 16 for p in prompts], restored
+    assert_same([(o.token_ids, digests.rows[o.request_id]) for o in outs], alone)
     engine.check_invariants()
