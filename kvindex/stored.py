@@ -50,7 +50,7 @@ class StoreConfig(BaseModel):
         3600.0, ge=0, description="an unused store of another cluster is removed after this"
     )
     token_cost: float = Field(
-        0.02, ge=0, le=1, description="the router's price of a restored token, in prefill tokens"
+        0.01, ge=0, le=1, description="the router's price of a restored token, in prefill tokens"
     )
 
     def size_bytes(self) -> int:
