@@ -180,23 +180,35 @@ def _carried(export: PrefixExport, by_reference: bool) -> PrefixExport:
     return pickle.loads(data, buffers=stored)
 
 
+def two_replicas(config: EngineConfig, redis_url: str, name: str, **fields: Any) -> ClusterArgs:
+    """The cluster these experiments time: 2 replicas of half a CPU behind round robin."""
+    return ClusterArgs(
+        num_replicas=2,
+        replica_num_cpus=0.5,
+        engine=config,
+        routing=routing_config(policy="round_robin", stats_period_s=0.5),
+        index=IndexConfig(url=redis_url, cluster=name),
+        **fields,
+    )
+
+
+def warm_client(cluster: ServeCluster, model: str) -> openai.OpenAI:
+    """An ``openai`` client of ``cluster`` after a request to each replica (round robin)."""
+    client = openai.OpenAI(
+        base_url=f"{cluster.base_url}/v1", api_key="x", max_retries=0, timeout=120
+    )
+    first_token(client, model, "warm up", "hi")  # and a second: both warm
+    first_token(client, model, "warm up", "hi")
+    return client
+
+
 def cluster_pulls(args: argparse.Namespace) -> dict[str, Any]:
     config = engine_config(args)
     with LocalRedis() as redis_server:
-        cluster_args = ClusterArgs(
-            num_replicas=2,
-            replica_num_cpus=0.5,
-            engine=config,
-            routing=routing_config(policy="round_robin", stats_period_s=0.5),
-            pull=PullConfig(enabled=True, shared_memory=args.transport == "shared_memory"),
-            index=IndexConfig(url=redis_server.url, cluster="pull-bench"),
-        )
+        pull = PullConfig(enabled=True, shared_memory=args.transport == "shared_memory")
+        cluster_args = two_replicas(config, redis_server.url, "pull-bench", pull=pull)
         with ServeCluster(cluster_args, log_path=None) as cluster:
-            client = openai.OpenAI(
-                base_url=f"{cluster.base_url}/v1", api_key="x", max_retries=0, timeout=120
-            )
-            first_token(client, config.model_id, "warm up", "hi")  # and a second: both warm
-            first_token(client, config.model_id, "warm up", "hi")
+            client = warm_client(cluster, config.model_id)
             measured = {n: _pull_rounds(client, config.model_id, args, n) for n in sizes(args)}
             time.sleep(2 * 0.5 + 0.5)  # the replicas' counters, a stats period later
             stats = cluster.stats()["replicas"]

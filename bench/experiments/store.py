@@ -30,18 +30,16 @@ import numpy as np
 import openai
 
 from bench.experiments import engine as engine_experiment
-from bench.experiments.pull import first_token, system_prompt
+from bench.experiments.pull import first_token, system_prompt, two_replicas, warm_client
 from bench.harness.launcher import ServeCluster
 from bench.harness.redis_server import LocalRedis
 from bench.report import spread
-from cluster.config import ClusterArgs
-from kvindex.config import IndexConfig
+from kvindex.stored import StoreConfig
 from replica.checkpoints import TINY_MODEL, checkpoint_for
 from replica.engine import Engine, EngineConfig, SamplingParams
 from replica.store.layout import StoreGeometry, fingerprint
 from replica.store.node_store import NodeStore
 from replica.store.tier import StoreTier
-from router.config import routing_config
 
 MODES = ("computed", "restored", "local_hit")
 
@@ -132,20 +130,10 @@ def _summary(seconds: dict[str, list[float]], cached: dict[str, list[int]]) -> d
 def cluster_rounds(args: argparse.Namespace) -> dict[str, Any]:
     config = engine_config(args)
     with LocalRedis() as redis_server:
-        cluster_args = ClusterArgs(
-            num_replicas=2,
-            replica_num_cpus=0.5,
-            engine=config,
-            routing=routing_config(policy="round_robin", stats_period_s=0.5),
-            index=IndexConfig(url=redis_server.url, cluster="store-bench"),
-            store={"memory_bytes": args.store_mb * 2**20},
-        )
+        store = StoreConfig(memory_bytes=args.store_mb * 2**20)
+        cluster_args = two_replicas(config, redis_server.url, "store-bench", store=store)
         with ServeCluster(cluster_args, log_path=None) as cluster:
-            client = openai.OpenAI(
-                base_url=f"{cluster.base_url}/v1", api_key="x", max_retries=0, timeout=120
-            )
-            first_token(client, config.model_id, "warm up", "hi")  # and a second: both warm
-            first_token(client, config.model_id, "warm up", "hi")
+            client = warm_client(cluster, config.model_id)
             found = _cluster_repeats(client, config.model_id, args)
             if args.kill:
                 found["after_sigkill"] = _kill_round(cluster, client, config.model_id, args)
