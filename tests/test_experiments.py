@@ -76,3 +76,15 @@ def test_index_benchmark_against_a_given_redis(redis_server: LocalRedis) -> None
     assert 0 < result["query_p50_ms"] <= result["query_p99_ms"] < 1e3
     # a block costs two set members (16-byte hash, replica id) and their keys' share
     assert 16 < result["memory_bytes_per_block"] < 4096
+
+
+def test_store_benchmark_restores_what_another_engine_computed() -> None:
+    result = run_experiment(
+        "store", "--where", "engine", "--prefix-tokens", "256", "--repeats", "2", "--store-mb", "16"
+    )
+    assert result["cached_tokens_min"] == {"computed": 0, "restored": 256, "local_hit": 256}
+    assert result["store"]["store_restored_blocks"] == 2 * 16
+    for key in ("ttft_computed_s", "ttft_restored_s", "restored_over_local_hit"):
+        assert set(result[key]) == {"median", "min", "max"}
+    decode = run_experiment("store", "--where", "decode", "--repeats", "2", "--requests", "4")
+    assert decode["spilled_blocks"] > 0 and set(decode["decode_step_p99_s"]) == {"on", "off"}
