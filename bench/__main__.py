@@ -13,15 +13,14 @@ from bench.experiments import (
     engine,
     faults,
     index,
-    pull,
     routing,
     scheduling,
     simulate,
     speed,
     stack,
-    store,
     structured,
 )
+from bench.experiments.prefix import pull, store
 
 EXPERIMENTS = {
     "engine": (engine, "prefix cache off vs on on one trace, one engine (and vLLM)"),

@@ -216,23 +216,33 @@ def run_policy(
 
         prompt, cached = delta("prompt_tokens"), delta("cached_prompt_tokens")
         metrics["hit_rate_engine"] = cached / prompt if prompt else 0.0
-        if pull is not None:  # the replicas' pull counters (a pulled block is a hit there)
-            for key in ("pulls", "pulled_blocks", "pulls_failed", "pull_blocks_refused"):
-                metrics[key] = delta(key)
+        keys = PULL_KEYS if pull is not None else ()  # a pulled block is a hit there
+        keys += STORE_KEYS if store.enabled else ()  # and so is a restored one
+        metrics |= {key: delta(key) for key in keys}
         if name != "ray_prefix":  # Ray's prefix router is not timed
-            stats = cluster.stats()
-            metrics["decision_p50_ms"] = (stats["decision_p50_s"] or 0) * 1e3
-            metrics["decision_p99_ms"] = (stats["decision_p99_s"] or 0) * 1e3
-            counters = stats.get("index") or {}  # queries answered "unknown" (routed blind)
-            unknown = counters.get("query_failures", 0) + counters.get("queries_skipped", 0)
-            metrics["index_unknown"] = unknown
-            mirror = stats.get("mirror") or {}  # decisions the mirror could not answer
-            metrics["mirror_unknown"] = mirror.get("unknown_answers")
+            metrics |= _router_metrics(cluster.stats())
         if metrics["requests_ok"] == 0:
             metrics["error"] = f"no request succeeded: {metrics['errors']}"
         return metrics
     finally:
         cluster.stop(keep_logs="error" in metrics)
+
+
+PULL_KEYS = ("pulls", "pulled_blocks", "pulls_failed", "pull_blocks_refused")
+STORE_KEYS = ("store_spilled_blocks", "store_restored_blocks", "store_restore_rejected")
+
+
+def _router_metrics(stats: dict[str, Any]) -> dict[str, Any]:
+    """Decision times, and the decisions made without the index (routed blind) or that
+    the mirror could not answer, from the ingress's ``/cluster/stats``."""
+    counters = stats.get("index") or {}
+    mirror = stats.get("mirror") or {}
+    return {
+        "decision_p50_ms": (stats["decision_p50_s"] or 0) * 1e3,
+        "decision_p99_ms": (stats["decision_p99_s"] or 0) * 1e3,
+        "index_unknown": counters.get("query_failures", 0) + counters.get("queries_skipped", 0),
+        "mirror_unknown": mirror.get("unknown_answers"),
+    }
 
 
 def _index_config(args: argparse.Namespace, url: str, namespace: str) -> IndexConfig:

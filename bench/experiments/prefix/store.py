@@ -30,7 +30,7 @@ import numpy as np
 import openai
 
 from bench.experiments import engine as engine_experiment
-from bench.experiments.pull import first_token, system_prompt, two_replicas, warm_client
+from bench.experiments.prefix.pull import first_token, system_prompt, two_replicas, warm_client
 from bench.harness.launcher import ServeCluster
 from bench.harness.redis_server import LocalRedis
 from bench.report import spread
