@@ -108,20 +108,29 @@ def counter(cluster: ServeCluster, replica: str, name: str, above: int) -> int:
     return value
 
 
-def test_a_holder_killed_before_the_pull_costs_a_recompute(cluster: ServeCluster) -> None:
+def test_a_holder_killed_before_the_pull_costs_a_failed_pull_and_the_store_serves(
+    cluster: ServeCluster,
+) -> None:
+    """The pull from the dead holder fails (counted) and costs no error; the prefix it
+    held then comes from the node store (on by default), which outlived it."""
     system = "Another long system prompt; its holder dies before anyone pulls it. " * 20
     first, holder = chat(cluster, system, "K?")
     time.sleep(0.5)  # published
     pids = replica_pids(cluster)
     (survivor,) = set(pids) - {holder}
-    failed = cluster.stats()["replicas"][survivor].get("pulls_failed") or 0
+    before = cluster.stats()["replicas"][survivor]
+    failed = before.get("pulls_failed") or 0
+    restored = before.get("store_restored_blocks") or 0
     os.kill(pids[holder], signal.SIGKILL)
     second, served_on = chat(cluster, system, "K?")
     assert served_on == survivor
     assert second.choices[0].message.content == first.choices[0].message.content
-    assert second.usage.prompt_tokens_details.cached_tokens == 0  # recomputed
+    prompt = second.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens == (prompt - 1) // 16 * 16
     assert counter(cluster, survivor, "pulls_failed", failed) == failed + 1
-    audits = cluster.stats()["replicas"][survivor]["idle_audits"]
+    blocks = (prompt - 1) // 16
+    assert counter(cluster, survivor, "store_restored_blocks", restored) >= restored + blocks
+    audits = before["idle_audits"]  # the survivor's audits before the second request
     assert counter(cluster, survivor, "idle_audits", audits) > audits  # idle since
     assert cluster.stats()["replicas"][survivor]["audit_error"] is None
 
