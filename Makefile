@@ -72,6 +72,18 @@ bench: install
 	$(PY) -m bench simulate --workload multi_turn --per-replica \
 	    --replicas 2,8,32,128 --rates 0.75 --conversations 6 --policies $(SIM_POLICIES) \
 	    --out results/simulate-multi_turn
+	$(PY) -m bench simulate --workload multi_tenant --per-replica --replicas 256 --rates 2 \
+	    --tenants 10000 --zipf 0.8 --store-blocks 16384 --replicas-per-node 8 \
+	    --policies $(SIM_POLICIES) --out results/simulate-store-multi_tenant-256
+	$(PY) -m bench store --where cluster --model smollm2-135m-instruct --dtype bfloat16 \
+	    --prefix-tokens 1024 --repeats 6 --kill --out results/store-cluster.json
+	$(PY) -m bench store --where engine --model smollm2-135m-instruct --dtype bfloat16 \
+	    --prefix-tokens 1024 --repeats 6 --out results/store-engine.json
+	$(PY) -m bench store --where decode --model smollm2-135m-instruct --dtype bfloat16 \
+	    --repeats 4 --out results/store-decode.json
+	$(PY) -m bench routing --workload multi_tenant --tenants 24 --zipf 0.6 --requests 160 --rates 4 \
+	    --num-blocks 434 --repeats 2 --policies prefill_cost,prefill_cost+nostore \
+	    --out results/routing-store-small-pools-2
 	$(PY) -m bench simulate --workload multi_tenant --per-replica --replicas 2,8,32 --rates 2 \
 	    --tenants 10000 --zipf 0.8 --policies $(SIM_PULL) --out results/simulate-pull-multi_tenant
 	$(PY) -m bench simulate --workload multi_turn --per-replica --replicas 2,8,32 --rates 0.75 \
