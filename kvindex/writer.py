@@ -57,6 +57,11 @@ class IndexWriter:
         """Purge a replica's entries and forget it (only if ``epoch`` is still its own)."""
         self._run("deregister", replica_id, epoch)
 
+    def registered_epoch(self, replica_id: str) -> str | None:
+        """The epoch the registry holds for ``replica_id`` (None: not registered)."""
+        epoch = self._redis.hget(keys.registry(self.namespace), replica_id)
+        return None if epoch is None else epoch.decode()
+
     def heartbeat(self, replica_id: str, epoch: str, stats: dict[str, Any] | None = None) -> bool:
         """Refresh liveness (and the replica's stats); False if the replica is not
         registered with this epoch."""

@@ -235,8 +235,10 @@ class EngineReplica:
         if not self._left:
             self._left = True
             self.publisher.close(deregister=True)
+            store = self.engine.store.store if self.engine.store is not None else None
+            last = bool(getattr(store, "leave", lambda: False)())  # the node's last replica
             if self.store_publisher is not None:
-                self.store_publisher.close()
+                self.store_publisher.close(last=last)
             if self.engine.store is not None:
                 self.engine.store.wait_idle(2.0)  # its mapping stays: steps may still run
 

@@ -107,12 +107,24 @@ class StorePublisher:
     def leading(self) -> bool:
         return self.publisher is not None
 
-    def close(self) -> None:
+    def close(self, last: bool = False) -> None:
+        """Stop publishing; with ``last`` (no replica of the node has the store open any
+        more) also take the store's entry out of the index, whoever published it."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        if self.publisher is not None:
-            self.publisher.close(deregister=False)  # the next holder takes the entry over
+        if self.publisher is not None:  # else the next holder takes the entry over
+            self.publisher.close(deregister=last)
+        elif last:
+            writer = self._writer()
+            try:
+                epoch = writer.registered_epoch(self.store_id)
+                if epoch is not None:
+                    writer.deregister(self.store_id, epoch)
+            except Exception:  # best effort, as a replica's own deregistration
+                log.warning("could not take %s out of the index", self.store_id)
+            finally:
+                writer.close()
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._fd)

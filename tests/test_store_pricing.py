@@ -16,6 +16,7 @@ from kvindex.reader import IndexReader
 from kvindex.records import ReplicaTable, store_id
 from kvindex.stored import StoreConfig, restore_prices, stored_token_column, with_stored
 from kvindex.writer import IndexWriter
+from replica.store.files import open_node_store
 from replica.store.layout import StoreGeometry
 from replica.store.node_store import NodeStore
 from replica.store_publisher import StorePublisher
@@ -105,7 +106,23 @@ def test_one_replica_per_node_publishes_the_store_and_the_index_follows(
         while time.monotonic() < deadline and not other.leading:
             time.sleep(0.05)
         assert other.leading
+        other.close()  # not the node's last replica: the entry stays for the next holder
+        assert store_id("n1") in reader.live_replicas(stores=True)
+        never_led = StorePublisher(store, lock, "n1", lambda: IndexWriter(config, "m"), stats)
+        never_led.close(last=True)  # the node's last replica takes the entry out
+        assert store_id("n1") not in reader.live_replicas(stores=True)
+        assert reader.replica_blocks(store_id("n1")) == set()
     finally:
         first.close()
         second.close()
         reader.close()
+
+
+def test_the_last_process_to_leave_a_store_knows_it(tmp_path) -> None:
+    g = StoreGeometry(4, 8, 1, 2)
+    a = open_node_store(str(tmp_path), "c", b"p" * 16, g)
+    b = open_node_store(str(tmp_path), "c", b"p" * 16, g)
+    assert not a.leave()  # b still has it open
+    assert b.leave() and not b.leave()  # the last; and only once
+    a.close()
+    b.close()

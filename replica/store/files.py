@@ -44,6 +44,26 @@ class StoreFile(NodeStore):
     users_path: str = ""
     path: str = ""
 
+    def leave(self) -> bool:
+        """Give up this process's share of the store (its ``.users`` lock; the mapping
+        stays until ``close``); True if no other process has it open now (the last one to
+        leave always finds so, whatever the order in which several leave)."""
+        if self.users_fd < 0:
+            return False
+        os.close(self.users_fd)
+        self.users_fd = -1
+        try:
+            fd = os.open(self.users_path, os.O_RDWR)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
 
 def open_node_store(
     directory: str, cluster: str, fingerprint: bytes, geometry: StoreGeometry
