@@ -99,6 +99,21 @@ MUTATIONS = [
      "        if not parent.block_table:  # released", "        if False:  # released",
      "test_block_manager.py::"
      "test_a_released_sequence_holds_nothing_and_a_fork_of_it_is_refused"),
+    ("an imported or restored block's tokens not compared", "replica/engine/transfer.py",
+     'else "tokens differ" if block.token_ids != tokens', 'else "tokens differ" if False',
+     "test_store_tier.py::test_a_forged_block_under_the_right_hash_is_refused"),
+    ("a node store's fingerprint leaves the secret out", "replica/store/layout.py",
+     "text + secret_digest, digest_size=16", "text, digest_size=16",
+     "test_node_store.py::test_sweep_removes_unused_stores_no_replica_here_can_use"),
+    ("a restore hashes the prompt without its salt", "replica/store/tier.py",
+     "prompt, salt = seq.token_ids[: usable * bs], seq.cache_salt",
+     "prompt, salt = seq.token_ids[: usable * bs], None",
+     "test_store_tier.py::test_a_tenants_stored_blocks_go_only_to_its_own_salt"),
+    ("the router leaves the node store's run uncredited", "router/core.py",
+     "            extra = np.maximum(extra, stored_token_column(request, table))",
+     "            pass",
+     "test_store_pricing.py::"
+     "test_the_router_prefers_a_replica_that_restores_over_one_that_recomputes"),
 ]  # fmt: skip
 ASSERTION = re.compile(r"^E\s+(AssertionError|assert )", re.M)
 

@@ -138,6 +138,11 @@ class BlockManager:
         self.prefix_cache.mark_cleared()
         return True
 
+    def chain(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+        """The hashes of the full blocks of ``seq``'s first ``num_tokens`` tokens (kept on
+        the sequence: each block is hashed once, whoever asks first)."""
+        return self._hashes(seq, num_tokens)[: num_tokens // self.block_size]
+
     def _hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
         have = len(seq.block_hashes)
         if num_tokens // self.block_size > have:

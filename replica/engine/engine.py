@@ -114,7 +114,7 @@ class Engine:
         seq.num_prompt_tokens = len(tokens)
         seq.grammar = grammar
         if self.store is not None and params.prompt_logprobs is None:
-            self.store.restore(self, seq.token_ids, cache_salt)
+            self.store.restore(self, seq)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 

@@ -120,9 +120,15 @@ def export_prefix(
 
 
 def import_prefix(
-    engine: Any, token_ids: Sequence[int], cache_salt: str | None, export: PrefixExport
+    engine: Any,
+    token_ids: Sequence[int],
+    cache_salt: str | None,
+    export: PrefixExport,
+    expected: list[bytes] | None = None,
 ) -> ImportResult:
-    """Publish the verified blocks of ``export`` that this engine lacks (see the module)."""
+    """Publish the verified blocks of ``export`` that this engine lacks (see the module).
+    ``expected``: this engine's own chain of ``token_ids`` under ``cache_salt``, if the
+    caller has it (computed here otherwise); never the export's."""
     data = _kv(engine).data
     manager = engine.block_manager
     cache = manager.prefix_cache
@@ -133,7 +139,8 @@ def import_prefix(
     if export.layout != _layout(data):
         result.rejected.append(f"layout {export.layout} is not this cache's {_layout(data)}")
         return result
-    expected = manager.hasher.chain(token_ids, cache_salt)
+    if expected is None:
+        expected = manager.hasher.chain(token_ids, cache_salt)
     held = cache.lookup(token_ids, cache_salt, expected)
     result.already_held = len(held)
     count = _verified(export, token_ids, expected, len(held), manager.block_size, data, result)

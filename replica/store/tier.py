@@ -177,23 +177,24 @@ class StoreTier:
 
     # -- restore --------------------------------------------------------------------------
 
-    def restore(self, engine: Any, token_ids: Sequence[int], cache_salt: str | None) -> int:
-        """Import the stored blocks of ``token_ids`` beyond the engine's local hit (store,
-        then disk); how many blocks it imported. Runs on the engine's thread."""
+    def restore(self, engine: Any, seq: Any) -> int:
+        """Import the stored blocks of ``seq``'s tokens beyond the engine's local hit (store,
+        then disk); how many blocks it imported. Runs on the engine's thread, when ``seq``
+        is added (its block hashes are computed here once, for admission too)."""
         manager = engine.block_manager
         cache, bs = manager.prefix_cache, manager.block_size
-        usable = (len(token_ids) - 1) // bs
+        usable = (seq.num_tokens - 1) // bs
         if cache is None or usable <= 0:
             return 0
         start = time.perf_counter()
-        prompt = list(token_ids[: usable * bs])
-        hashes = manager.hasher.chain(prompt, cache_salt)
-        held = len(cache.lookup(prompt, cache_salt, hashes))
+        prompt, salt = seq.token_ids[: usable * bs], seq.cache_salt
+        hashes = manager.chain(seq, usable * bs)
+        held = len(cache.lookup(prompt, salt, hashes))
         imported = 0
         if held < usable:
-            imported = self._from_store(engine, prompt, cache_salt, hashes, held)
+            imported = self._from_store(engine, prompt, salt, hashes, held)
         if self.disk is not None and held + imported < usable:
-            imported += self._from_disk(engine, prompt, cache_salt, hashes, held + imported)
+            imported += self._from_disk(engine, prompt, salt, hashes, held + imported)
         if held < usable:
             self.counters.restore_seconds += time.perf_counter() - start
         return imported
@@ -210,7 +211,7 @@ class StoreTier:
         export = PrefixExport(
             _layout(engine), blocks, store=self.store, stored=tuple(found), first=held
         )
-        result = import_prefix(engine, prompt, salt, export)
+        result = import_prefix(engine, prompt, salt, export, hashes)
         self.counters.restored_blocks += result.imported
         self.counters.restore_rejected += len(found) - result.imported
         return result.imported
@@ -228,7 +229,7 @@ class StoreTier:
             for b, row in zip(found, rows, strict=True)
         )
         export = PrefixExport(_layout(engine), blocks, rows, first=held)
-        result = import_prefix(engine, prompt, salt, export)
+        result = import_prefix(engine, prompt, salt, export, hashes)
         self.counters.restored_disk_blocks += result.imported
         self.counters.restore_rejected += len(found) - result.imported
         return result.imported
