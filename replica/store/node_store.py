@@ -139,17 +139,12 @@ class NodeStore:
                 count = i
                 break
         self.counters.hits += count
-        self.counters.torn += len(blocks) - count if count < len(blocks) else 0
+        self.counters.torn += len(blocks) - count
         now = time.monotonic_ns()
         for block in blocks[:count]:  # hints, unlocked (see the module)
             self.meta["used_ns"][block.slot] = now
             self.meta["uses"][block.slot] += 1
         return count
-
-    def hashes(self) -> list[bytes]:
-        """Every block hash held now (for the index to resynchronise from)."""
-        valid = self.meta[(self.meta["flags"] & VALID) != 0]
-        return [join_hash(a, b) for a, b in zip(valid["h0"], valid["h1"], strict=True)]
 
     @property
     def num_blocks(self) -> int:

@@ -234,10 +234,6 @@ class StoreTier:
         self.counters.restore_rejected += len(found) - result.imported
         return result.imported
 
-    def close(self) -> None:
-        self.wait_idle(5.0)
-        self.store.close()
-
 
 def _layout(engine: Any) -> tuple[str, tuple[int, ...]]:
     data = engine.runner.kv_cache.data
