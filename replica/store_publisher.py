@@ -6,8 +6,10 @@ Instead the replica that holds the store's publisher ``flock`` (the first to tak
 kernel hands it on when that replica dies) compares the store's slots with what it last
 published, every ``interval_s``, and publishes the difference through an
 ``IndexPublisher`` of its own (registration, heartbeat, resync after a Redis restart:
-everything a replica's entry has). When it stops, the entry is left to lapse or to the
-next holder of the lock, which registers again with the store's whole content.
+everything a replica's entry has). When it stops, the entry is left to the next holder of
+the lock, which registers again with the store's whole content; the node's last replica to
+stop takes the entry out, after taking the lock (so no leader still stopping can put it
+back).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import fcntl
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -66,14 +69,19 @@ class StorePublisher:
                 log.exception("publishing the node store failed")
             self._stop.wait(self.interval_s)
 
-    def _try_to_lead(self) -> None:
+    def _take_lock(self) -> bool:
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)  # another replica of this node publishes the store
-            return
+            return False
         self._fd = fd
+        return True
+
+    def _try_to_lead(self) -> None:
+        if not self._take_lock():
+            return
         slots = self._slots()
         held = [join_hash(a, b) for a, b, v in slots.tolist() if v]
         self._last = slots
@@ -116,6 +124,11 @@ class StorePublisher:
         if self.publisher is not None:  # else the next holder takes the entry over
             self.publisher.close(deregister=last)
         elif last:
+            # the leader may be stopping at this very moment; until it lets the lock go its
+            # publisher could still register the entry again, so wait for the lock first
+            deadline = time.monotonic() + 2 * self.interval_s + 10
+            while not self._take_lock() and time.monotonic() < deadline:
+                time.sleep(0.05)
             writer = self._writer()
             try:
                 epoch = writer.registered_epoch(self.store_id)

@@ -5,6 +5,7 @@ one replica per node publishes what the store holds."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -115,6 +116,40 @@ def test_one_replica_per_node_publishes_the_store_and_the_index_follows(
     finally:
         first.close()
         second.close()
+        reader.close()
+
+
+def test_the_last_replica_takes_the_entry_out_while_the_leader_is_still_stopping(
+    fresh_redis, tmp_path
+) -> None:
+    """Two replicas of a node stopping together: the leader (not the last) may still be
+    heartbeating when the last one deregisters the entry, and a heartbeat that finds the
+    entry gone registers it again with the whole store. The last one must wait for the
+    leader's lock, else the entry (and every block of it) is left in the index for good."""
+    config = IndexConfig(url=fresh_redis.url, cluster="stores", heartbeat_interval_s=0.05)
+    store = _store()
+    store.put(_key(1), None, [1] * 4, np.ones(8, np.uint8))
+    lock = str(tmp_path / "store.publisher")
+    leader = StorePublisher(store, lock, "n1", lambda: IndexWriter(config, "m"), dict, 0.05)
+    leader.start()
+    reader = IndexReader(config, "m")
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and reader.replica_blocks(store_id("n1")) != {_key(1)}:
+            time.sleep(0.05)
+        assert leader.leading
+        last = StorePublisher(store, lock, "n1", lambda: IndexWriter(config, "m"), dict, 0.05)
+        closing = threading.Thread(target=last.close, kwargs={"last": True})
+        closing.start()
+        time.sleep(0.5)  # ten of the leader's heartbeats
+        leader.close()  # not the last: it leaves the entry to the lock's next holder
+        closing.join(timeout=30)
+        assert not closing.is_alive()
+        time.sleep(0.3)
+        assert store_id("n1") not in reader.live_replicas(stores=True)
+        assert reader.replica_blocks(store_id("n1")) == set()
+    finally:
+        leader.close()
         reader.close()
 
 
