@@ -98,3 +98,24 @@ def test_a_bad_checkpoint_fails_at_start_with_one_sentence_naming_it(tmp_path: P
         assert "Traceback" not in message
     with pytest.raises(pydantic.ValidationError, match="neither a built-in model"):
         ClusterArgs(engine={"model": "no-such-model"})
+
+
+def test_our_gguf_header_reader_reads_what_the_gguf_package_reads() -> None:
+    """``GGUFFile`` (ours, fast) against ``gguf.GGUFReader`` (the reference) on SmolLM2:
+    every metadata field, every tensor's name, type, shape and bytes."""
+    import gguf
+
+    from replica.checkpoints.gguf_file import GGUFFile
+
+    path = smollm2_path()
+    ours, reference = GGUFFile(path), gguf.GGUFReader(str(path))
+    fields = {k: f.contents() for k, f in reference.fields.items() if not k.startswith("GGUF.")}
+    assert fields.keys() == ours.metadata.keys()
+    assert all(fields[k] == ours.metadata[k] for k in fields)
+    assert len(ours.metadata["tokenizer.ggml.tokens"]) == 49152
+    assert [t.name for t in ours.tensors] == [t.name for t in reference.tensors]
+    for mine, theirs in zip(ours.tensors, reference.tensors, strict=True):
+        assert mine.ggml_type == theirs.tensor_type.value
+        data = ours.data(mine)
+        assert (data.shape, data.dtype) == (theirs.data.shape, theirs.data.dtype), mine.name
+        assert data.tobytes() == theirs.data.tobytes(), mine.name

@@ -474,18 +474,22 @@ def test_two_ingress_replicas_are_one_in_metrics_and_admission(
     )
     with ServeCluster(args) as two:
         two_client = openai.OpenAI(base_url=f"{two.base_url}/v1", api_key="x", max_retries=0)
-        for i in range(8):
-            chat(two_client, SYSTEM, f"two ingresses {i}?")
-        deadline = time.monotonic() + 30
+        # Serve's proxy picks an ingress per request, at random between two idle ones: send
+        # until both have served one (8 at first; all 8 to one ingress is 1 run in 128)
+        sent, deadline = 0, time.monotonic() + 60
         while True:  # each ingress shares its metrics every 5 s
+            if sent < 8 or (len(per_ingress) < 2 and sent < 32):
+                for _ in range(8 if sent == 0 else 4):
+                    chat(two_client, SYSTEM, f"two ingresses {sent}?")
+                    sent += 1
             per_ingress = {}
             text = httpx.get(f"{two.base_url}/metrics").text
             for line in text.splitlines():
                 if line.startswith("prefix_serve_requests_total{"):
                     ingress = re.search(r'ingress="([^"]+)"', line).group(1)
                     per_ingress[ingress] = per_ingress.get(ingress, 0) + float(line.split()[-1])
-            if len(per_ingress) == 2 and sum(per_ingress.values()) == 8:
+            if len(per_ingress) == 2 and sum(per_ingress.values()) == sent:
                 break
-            assert time.monotonic() < deadline, per_ingress
+            assert time.monotonic() < deadline, (sent, per_ingress)
             time.sleep(1)
         assert "prefix_serve_replica_blocks_free{replica=" in text  # unlabelled, not doubled
