@@ -83,3 +83,41 @@ def test_a_stop_string_split_across_tokens_is_cut_and_never_streamed(smollm2) ->
         shown = [stream.push([t]) for t in generated]
         assert stream.stopped and stream.flush() == ""
         assert "".join(shown) == stream.text == "one two three "  # nothing of "STOP" shown
+
+
+def test_a_cached_gguf_tokenizer_is_the_fresh_conversion(tmp_path, monkeypatch) -> None:
+    """The folder ``tokenizer_cache`` keeps against transformers' conversion of the GGUF
+    file itself: ids, texts, chat renderings (with tools) and stop tokens."""
+    from replica.checkpoints import smollm2_path
+    from replica.checkpoints.tokenizer import HFTokenizer
+    from replica.checkpoints.tokenizer_cache import tokenizer_folder
+
+    monkeypatch.setenv("PREFIX_SERVE_CACHE_DIR", str(tmp_path))
+    path = smollm2_path()
+    folder = tokenizer_folder(path)
+    assert folder is not None and folder.parent.parent == tmp_path
+    assert tokenizer_folder(path) == folder  # found, not converted again
+    assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no leftovers
+    cached = HFTokenizer(str(folder))
+    fresh = HFTokenizer(str(path.parent), gguf_file=path.name)
+    for text in [*HARD_TEXTS, "<|im_start|>user\nhi<|im_end|><|endoftext|>", ""]:
+        assert cached.encode(text) == fresh.encode(text)
+        ids = fresh.encode(text)
+        assert cached.decode(ids) == fresh.decode(ids)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert cached.render_chat(messages) == fresh.render_chat(messages)
+    assert cached.render_chat(messages, tools) == fresh.render_chat(messages, tools)
+    for name in ("vocab_size", "stop_token_ids", "template_has_tools", "document_start_id"):
+        assert getattr(cached, name) == getattr(fresh, name), name
+    assert cached.hf.get_vocab() == fresh.hf.get_vocab()
+
+
+def test_an_unwritable_cache_falls_back_to_converting(tmp_path, monkeypatch) -> None:
+    from replica.checkpoints import smollm2_path
+    from replica.checkpoints.tokenizer_cache import tokenizer_folder
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("PREFIX_SERVE_CACHE_DIR", str(blocked))
+    assert tokenizer_folder(smollm2_path()) is None

@@ -21,6 +21,7 @@ import torch
 from replica.checkpoints import Checkpoint, CheckpointError
 from replica.checkpoints.gguf_file import GGUFFile
 from replica.checkpoints.tokenizer import END_TOKENS, HFTokenizer, Tokenizer
+from replica.checkpoints.tokenizer_cache import tokenizer_folder
 from replica.model.shape import ModelShape
 
 _LAYER_NAMES = {
@@ -106,7 +107,10 @@ class GGUFCheckpoint(Checkpoint):
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer(path: Path) -> HFTokenizer:
-    return HFTokenizer(str(path.parent), gguf_file=path.name)
+    folder = tokenizer_folder(path)  # converted once (``tokenizer_cache``)
+    if folder is None:
+        return HFTokenizer(str(path.parent), gguf_file=path.name)
+    return HFTokenizer(str(folder))
 
 
 def _open(path: Path) -> GGUFFile:
