@@ -476,7 +476,7 @@ def test_two_ingress_replicas_are_one_in_metrics_and_admission(
         two_client = openai.OpenAI(base_url=f"{two.base_url}/v1", api_key="x", max_retries=0)
         # Serve's proxy picks an ingress per request, at random between two idle ones: send
         # until both have served one (8 at first; all 8 to one ingress is 1 run in 128)
-        sent, deadline = 0, time.monotonic() + 60
+        sent, deadline, per_ingress = 0, time.monotonic() + 60, {}
         while True:  # each ingress shares its metrics every 5 s
             if sent < 8 or (len(per_ingress) < 2 and sent < 32):
                 for _ in range(8 if sent == 0 else 4):

@@ -1,10 +1,11 @@
 """A llama.cpp GGUF file: shape and tokenizer from its metadata, weights dequantized.
 
 The header is read by ``gguf_file.GGUFFile`` (a tenth of a second, where ``gguf.GGUFReader``
-takes seconds), weights by ``gguf.quants.dequantize``; every weight is dequantized to float32 and renamed to Hugging Face ``LlamaForCausalLM`` names. llama.cpp's
-converter permutes the rows of the Q and K projections for its rotary layout (pairs of
-adjacent dimensions instead of two halves); ``unpermute_rotary`` undoes that, as
-transformers' own GGUF loader does.
+takes seconds), weights by ``gguf.quants.dequantize``; every weight is dequantized to
+float32 and renamed to Hugging Face ``LlamaForCausalLM`` names. llama.cpp's converter
+permutes the rows of the Q and K projections for its rotary layout (pairs of adjacent
+dimensions instead of two halves); ``unpermute_rotary`` undoes that, as transformers' own
+GGUF loader does.
 """
 
 from __future__ import annotations
