@@ -35,6 +35,7 @@ from replica.messages import EngineRequest, PullRequest, RequestOutput
 from replica.publisher import IndexPublisher
 from replica.pull import Puller
 from replica.store.build import build_tier
+from replica.store.files import publisher_lock_path
 from replica.store_publisher import StorePublisher
 
 log = logging.getLogger("ray.serve")
@@ -113,7 +114,7 @@ class EngineReplica:
 
         self.store_publisher = StorePublisher(
             store,
-            getattr(store, "path", "") + ".publisher",
+            publisher_lock_path(getattr(store, "path", "")),
             self.node_id,
             lambda: IndexWriter(args.index, args.engine.model_id),
             store_stats,
@@ -238,7 +239,9 @@ class EngineReplica:
             store = self.engine.store.store if self.engine.store is not None else None
             last = bool(getattr(store, "leave", lambda: False)())  # the node's last replica
             if self.store_publisher is not None:
+                leading = self.store_publisher.leading
                 self.store_publisher.close(last=last)
+                log.info("left the index (node store: last user %s, publisher %s)", last, leading)
             if self.engine.store is not None:
                 self.engine.store.wait_idle(2.0)  # its mapping stays: steps may still run
 

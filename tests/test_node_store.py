@@ -4,6 +4,7 @@ tier. Exact slot-level checks on tiny stores; every way a read can go wrong is a
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
 import os
 import signal
@@ -12,7 +13,12 @@ import numpy as np
 import pytest
 
 from replica.store.disk import DiskBlock, DiskTier
-from replica.store.files import open_node_store, remove_cluster_stores, sweep
+from replica.store.files import (
+    open_node_store,
+    publisher_lock_path,
+    remove_cluster_stores,
+    sweep,
+)
 from replica.store.layout import VALID, file_name, fingerprint
 from replica.store.node_store import NodeStore, StoreGeometry
 
@@ -162,6 +168,32 @@ def test_sweep_removes_unused_stores_no_replica_here_can_use(tmp_path) -> None:
     assert sweep(d, "c", PRINT, stale_after_s=0) == [os.path.join(d, file_name("elsewhere", PRINT))]
     in_use.close()
     assert remove_cluster_stores(d, "c") == [os.path.join(d, file_name("c", other_secret))]
+
+
+def test_a_sweep_leaves_the_publisher_lock_of_a_store_in_use(tmp_path) -> None:
+    """A replica starting on a node sweeps; it must not take the store's publisher lock
+    file for a store and unlink it, or its own publisher locks a new file and the node
+    gets two publishers of one index entry (CI: blocks left in the index after a stop)."""
+    d = str(tmp_path)
+    g = StoreGeometry(BS, NBYTES, 1, 2)
+    first = open_node_store(d, "c", PRINT, g)
+    lock = publisher_lock_path(first.path)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the first replica leads
+    inode = os.fstat(fd).st_ino
+    second = open_node_store(d, "c", PRINT, g)
+    assert sweep(d, "c", PRINT, stale_after_s=0) == []
+    assert remove_cluster_stores(d, "c") == []  # in use
+    assert os.stat(lock).st_ino == inode
+    other = os.open(lock, os.O_RDWR)
+    with pytest.raises(BlockingIOError):  # the second replica cannot lead as well
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(other)
+    os.close(fd)
+    first.close()
+    second.close()
+    assert remove_cluster_stores(d, "c") == [first.path]  # and its side files with it
+    assert os.listdir(d) == []
 
 
 def flip(path: str, at: int, change) -> None:

@@ -11,7 +11,9 @@ as long as it does (the kernel drops it when the process dies, SIGKILL included)
 ``sweep`` removes a store only when it can take that lock exclusively (nobody has the
 store open) and the store is of this cluster with another fingerprint (another model,
 block size, secret, layout or version: blocks no replica here can use), or unused for
-``stale_after_s`` (another cluster's, long gone).
+``stale_after_s`` (another cluster's, long gone). A store's side files (``SIDECARS``: its
+``.users`` lock and its publisher's lock, ``replica.store_publisher``) are never taken for
+stores of their own, and go with their store.
 """
 
 from __future__ import annotations
@@ -24,6 +26,14 @@ import time
 
 from replica.store.layout import FILE_PREFIX, file_name
 from replica.store.node_store import NodeStore, StoreGeometry, read_header, write_header
+
+USERS, PUBLISHER = ".users", ".publisher"
+SIDECARS = (USERS, PUBLISHER)  # a store's side files: the path plus one of these
+
+
+def publisher_lock_path(store_path: str) -> str:
+    """The file whose ``flock`` makes one replica of the node the store's publisher."""
+    return store_path + PUBLISHER
 
 
 class StoreFile(NodeStore):
@@ -71,7 +81,7 @@ def open_node_store(
     """This node's store for ``cluster`` and ``fingerprint``: the existing one (whatever
     its size) or a new one of ``geometry``."""
     path = os.path.join(directory, file_name(cluster, fingerprint))
-    users_fd = _hold_users_lock(path + ".users")
+    users_fd = _hold_users_lock(path + USERS)
     try:
         fd, found = _open_checked(path, fingerprint, geometry)
     except BaseException:
@@ -79,7 +89,7 @@ def open_node_store(
         raise
     region = mmap.mmap(fd, found.file_bytes)
     store = StoreFile(region, found, fingerprint, fd=fd, reserve_dir=directory)
-    store.users_fd, store.users_path, store.path = users_fd, path + ".users", path
+    store.users_fd, store.users_path, store.path = users_fd, path + USERS, path
     return store
 
 
@@ -134,7 +144,7 @@ def sweep(directory: str, cluster: str, fingerprint: bytes, stale_after_s: float
     except OSError:
         return removed
     for name in names:
-        if not name.startswith(FILE_PREFIX) or name.endswith(".users") or name == ours:
+        if not name.startswith(FILE_PREFIX) or name.endswith(SIDECARS) or name == ours:
             continue
         same_cluster = name[len(FILE_PREFIX) :].rsplit("-", 1)[0] == cluster
         path = os.path.join(directory, name)
@@ -144,7 +154,7 @@ def sweep(directory: str, cluster: str, fingerprint: bytes, stale_after_s: float
 
 
 def _remove_if_unused(path: str, stale_after_s: float) -> bool:
-    users = path + ".users"
+    users = path + USERS
     try:
         fd = os.open(users, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError:
@@ -157,7 +167,7 @@ def _remove_if_unused(path: str, stale_after_s: float) -> bool:
     try:
         if time.time() - os.fstat(fd).st_mtime < stale_after_s:
             return False
-        for p in (path, users):
+        for p in (path, publisher_lock_path(path), users):  # the users lock last
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
         return True
@@ -170,7 +180,7 @@ def remove_cluster_stores(directory: str, cluster: str) -> list[str]:
     removed = []
     with contextlib.suppress(OSError):
         for name in os.listdir(directory):
-            if name.startswith(f"{FILE_PREFIX}{cluster}-") and not name.endswith(".users"):
+            if name.startswith(f"{FILE_PREFIX}{cluster}-") and not name.endswith(SIDECARS):
                 path = os.path.join(directory, name)
                 if _remove_if_unused(path, 0.0):
                     removed.append(path)
