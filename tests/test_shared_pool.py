@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import tiny
 
-from replica.engine import Engine, SamplingParams
+from replica.engine import Engine, SamplingParams, transfer
 from replica.engine.transfer import PrefixExport, export_prefix, import_prefix
 from replica.model.shared_pool import GEN_OFFSET, read_blocks, shared_memory_available
 
@@ -164,6 +164,61 @@ def test_a_holder_killed_before_the_copy_costs_a_miss_and_leaks_nothing() -> Non
     want = served(Engine(tiny(num_blocks=64)))
     assert served(puller).token_ids == want.token_ids
     # a memfd dies with the last process holding it: nothing named is left behind
+    assert not [n for n in os.listdir("/dev/shm") if "prefix-serve-kv" in n]
+
+
+class KillingRows(list):
+    """The receiver's destination rows; handing out row ``at`` first SIGKILLs the holder's
+    process (and reaps it): the holder dies while the copy is under way."""
+
+    def __init__(self, rows, at: int, process) -> None:
+        super().__init__(rows)
+        self.at, self.process = at, process
+
+    def __getitem__(self, i):
+        if i == self.at and self.process.is_alive():
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.join(30)
+        return super().__getitem__(i)
+
+
+def test_a_holder_sigkilled_mid_copy_gives_its_last_blocks_or_nothing_never_a_wrong_token(
+    monkeypatch,
+) -> None:
+    """SIGKILL after 4 of 8 blocks were read. The descriptor the puller opened keeps the
+    holder's memfd alive until the copy ends, and a dead process writes nothing, so the
+    rest arrives as it was exported (generations unchanged): every block is kept only
+    after that check, and each holds exactly what a local computation holds."""
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    process = ctx.Process(target=_hold_and_export, args=(theirs,))
+    process.start()
+    export = ours.recv()
+    real = transfer.read_blocks
+
+    def killed_at_block_4(locator, sources, generations, rows):
+        return real(locator, sources, generations, KillingRows(rows, 4, process))
+
+    monkeypatch.setattr(transfer, "read_blocks", killed_at_block_4)
+    puller = shared()
+    result = import_prefix(puller, PROMPT, None, export)
+    assert not process.is_alive() and process.exitcode == -signal.SIGKILL
+    assert result.imported == 8 and result.rejected == []
+    puller.check_invariants(idle=True)
+    local = shared()
+    served(local)
+    pulled, computed = (
+        [e.block_id for e in export_prefix(engine, PROMPT, None, by_reference=True).blocks]
+        for engine in (puller, local)
+    )
+    kv_pulled = puller.runner.kv_cache.data.view(torch.uint8)
+    kv_local = local.runner.kv_cache.data.view(torch.uint8)
+    for mine, theirs_ in zip(pulled, computed, strict=True):
+        assert kv_pulled[mine].equal(kv_local[theirs_])
+    got = served(puller)
+    assert got.num_cached_tokens == 8 * BS
+    assert got.token_ids == served(Engine(tiny(num_blocks=64))).token_ids
+    puller.check_invariants(idle=True)
     assert not [n for n in os.listdir("/dev/shm") if "prefix-serve-kv" in n]
 
 
