@@ -19,6 +19,14 @@ DECISION_SECONDS = Histogram(
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25),
 )
 INDEX_ANSWERS = Counter("prefix_serve_index_answers", "Index queries by outcome", ["outcome"])
+# with index.mirror (set at collection, from the router's mirror: router.serve_router)
+MIRROR_SYNCED = Gauge(
+    "prefix_serve_index_mirror_synced", "1 while this router's mirror of the index answers"
+)
+MIRROR_SYNCED_AT = Gauge(
+    "prefix_serve_index_mirror_synced_at_seconds",
+    "Unix time this router's mirror last became synced (after a snapshot); 0: never",
+)
 _REPLICA_KEYS = (
     "hit_rate",
     "prompt_tokens",

@@ -68,7 +68,10 @@ class PrefixAwareRequestRouter(RequestRouter):
         self.router_id = uuid.uuid4().hex[:12]
         self.mirror = None
         if index_config.mirror:
-            self.mirror = IndexMirror(index_config, model_id, router_id=self.router_id).start()
+            mirror = self.mirror = IndexMirror(index_config, model_id, router_id=self.router_id)
+            mirror.start()
+            routing_stats.MIRROR_SYNCED.set_function(lambda: float(mirror.synced()))
+            routing_stats.MIRROR_SYNCED_AT.set_function(lambda: mirror.synced_at or 0.0)
         self._predictions: list[tuple[str, tuple[bytes, ...]]] = []  # routed since the share
         self._share_due = True
         self._share_task: asyncio.Task[Any] | None = None

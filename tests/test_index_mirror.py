@@ -172,6 +172,7 @@ def test_a_dropped_connection_costs_no_resync(fresh_redis) -> None:
 def test_redis_restarted_empty_and_rebuilt(fresh_redis) -> None:
     index = Index(fresh_redis.url)
     mirror = followed(index, 6, 60)
+    first_synced = mirror.synced_at
     fresh_redis.stop()
     fresh_redis.start()  # empty, on the same port
     assert mirror.query(CHAINS[0])  # stale, but not stale for long yet
@@ -181,6 +182,8 @@ def test_redis_restarted_empty_and_rebuilt(fresh_redis) -> None:
     index = Index(fresh_redis.url)
     caught_up(mirror, index)
     assert mirror.query(CHAINS[0]) == {} and mirror.counters.restarts == 1
+    # when it synced again: what a restarted router's convergence is timed by (faults)
+    assert first_synced is not None and first_synced < mirror.synced_at <= time.time()
     random_changes(index, random.Random(8), 60)  # the replicas register and publish again
     caught_up(mirror, index)
     assert_same(mirror, index)

@@ -167,6 +167,18 @@ def index_answers_by_ingress(base_url: str) -> dict[str, dict[str, float]]:
     return found
 
 
+def gauge_by_ingress(base_url: str, name: str) -> dict[str, float]:
+    """An unlabelled router gauge (e.g. ``prefix_serve_index_mirror_synced_at_seconds``),
+    per ingress, from one scrape."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
+            found[labels.get("ingress", "")] = float(line.split()[-1])
+    return found
+
+
 def index_answers(base_url: str) -> float:
     """Decisions the index answered: from the router's mirror, or from Redis."""
     text = httpx.get(f"{base_url}/metrics", timeout=10).text

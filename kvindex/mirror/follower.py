@@ -82,6 +82,7 @@ class IndexMirror:
         self._lock = threading.Lock()
         self._log_id: str | None = None  # None: not synced
         self._live_known = False
+        self.synced_at: float | None = None  # wall clock of the last snapshot's first sync
         self._heard = 0.0  # monotonic time of the last answer from Redis
         self._next_live = 0.0
         self._clock_offset_ms = 0.0
@@ -196,6 +197,8 @@ class IndexMirror:
         redis_ms = int(secs) * 1000 + int(usecs) / 1000
         self._clock_offset_ms = redis_ms - (sent + time.time() * 1000) / 2
         with self._lock:
+            if not self._live_known:  # synced from now on: when (fault reports time it)
+                self.synced_at = time.time()
             self._live_known = True
             self.state.set_live([_text(r) for r in live])
             now_ms = redis_ms  # what expires, expires by Redis's clock
