@@ -27,11 +27,29 @@ import numpy as np
 MAGIC = b"GGUF"
 STRING, ARRAY = 8, 9
 # GGUF value type -> struct format of one scalar (STRING and ARRAY are read apart)
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?"}
-_SCALARS |= {10: "Q", 11: "q", 12: "d"}
+_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
 # ggml tensor types stored as plain numbers (the rest are quantized blocks of bytes)
-_PLAIN = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64}
-_PLAIN |= {28: np.float64}
+_PLAIN = {
+    0: np.float32,
+    1: np.float16,
+    24: np.int8,
+    25: np.int16,
+    26: np.int32,
+    27: np.int64,
+    28: np.float64,
+}
 
 
 @dataclass(frozen=True)
