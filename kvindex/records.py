@@ -8,7 +8,7 @@ added); ``Booking`` is what a router books on the replica it chose.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, overload
 
@@ -139,6 +139,7 @@ class ReplicaTable(Sequence[ReplicaState]):
         self.id_hashes = id_hashes
         self._positions = positions  # id -> index (a mirror passes the one it keeps)
         self._held: np.ndarray | None = None
+        self._derived: dict[Hashable, np.ndarray] = {}
         assert self._columns is not None or self._states is not None
 
     @classmethod
@@ -157,6 +158,13 @@ class ReplicaTable(Sequence[ReplicaState]):
                 for c in COLUMNS
             }
         return self._columns[name]
+
+    def derived(self, key: Hashable, compute: Callable[[], np.ndarray]) -> np.ndarray:
+        """A column computed from this table's (``compute()``), once per ``key``: a decision
+        reads the same credits three times. Like every column, never changed in place."""
+        if key not in self._derived:
+            self._derived[key] = compute()
+        return self._derived[key]
 
     @property
     def held(self) -> np.ndarray:

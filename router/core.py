@@ -36,7 +36,11 @@ class Decision:
     (a column of the table ranked, read one replica at a time with ``credit``)."""
 
     def __init__(
-        self, request: RoutingRequest, ranking: list[str], table: ReplicaTable, credit: np.ndarray
+        self,
+        request: RoutingRequest,
+        ranking: Sequence[str],
+        table: ReplicaTable,
+        credit: np.ndarray,
     ) -> None:
         self.request, self.ranking = request, ranking
         self._table, self._credit = table, credit
@@ -76,6 +80,8 @@ class RoutingCore:
         self.recent = recent
         self.pulls = pulls if pulls is not None and pulls.enabled else None
         self.stores = stores if stores is not None and stores.enabled else None
+        self._same_lists: tuple[Sequence[str], Sequence[str]] | None = None
+        self._same_ids = (0, 0)
 
     def states(
         self,
@@ -90,12 +96,25 @@ class RoutingCore:
         queued at each replica (a floor for its in-flight count). ``nodes``: each
         candidate's node, whose store it restores from (``kvindex.stored``)."""
         if isinstance(answer, TableAnswer):
-            table = self._added(answer.table.take(replica_ids), queued)
+            table = self._added(self._taken(answer.table, replica_ids), queued)
         else:
             table = ReplicaTable.of(self._states(replica_ids, answer, block_hashes, queued))
         if self.stores and answer is not None and nodes:
             table = with_stored(table, answer, nodes)
         return with_pullable(table) if self.pulls and answer is not None else table
+
+    def _taken(self, table: ReplicaTable, replica_ids: Sequence[str]) -> ReplicaTable:
+        """``table.take(replica_ids)``, remembering the last pair of id lists found to be
+        one set: Serve passes the same candidate list until its replicas change, a mirror
+        the same live list until the live set does (neither list is changed in place), so
+        at a thousand replicas most decisions skip comparing a thousand ids."""
+        if self._same_ids == (id(replica_ids), id(table.ids)):
+            return table
+        taken = table.take(replica_ids)
+        if taken is table:  # both lists kept alive with their ids, so no id is reused
+            self._same_lists = (replica_ids, table.ids)
+            self._same_ids = (id(replica_ids), id(table.ids))
+        return taken
 
     def _added(self, table: ReplicaTable, queued: Mapping[str, int] | None) -> ReplicaTable:
         """A table of the index's answer plus this router's unacknowledged bookings, with

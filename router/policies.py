@@ -14,8 +14,9 @@ import bisect
 import functools
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, overload
 
 import numpy as np
 
@@ -26,7 +27,50 @@ from kvindex.records import ReplicaState, ReplicaTable, RoutingRequest
 def cache_credits(request: RoutingRequest, replicas: ReplicaTable) -> np.ndarray:
     """Prompt tokens each replica will not have to compute: what it holds or will hold of
     the chain (published or predicted), capped because at least one token always runs."""
-    return np.minimum(replicas.held * request.block_size, request.usable_tokens)
+    return replicas.derived(
+        ("credits", request.block_size, request.usable_tokens),
+        lambda: np.minimum(replicas.held * request.block_size, request.usable_tokens),
+    )
+
+
+class Ranking(Sequence[str]):
+    """Replica ids best first, read from a ranking's order (``ids[order]``) only as far as
+    the caller reads: a router tries the first and rarely needs the thousandth, so a
+    thousand ids are not copied into a list per decision. Equal to any sequence of the
+    same ids in the same order."""
+
+    def __init__(self, ids: np.ndarray, order: np.ndarray) -> None:
+        self._ids, self._order = ids, order
+        self._all: list[str] | None = None
+
+    def __len__(self) -> int:
+        return int(self._order.size)
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return self._ids[self._order[i]].tolist()
+        return self._ids[self._order[i]]
+
+    def __iter__(self) -> Iterator[str]:
+        for k in self._order[:EAGER].tolist():  # most callers stop at the first
+            yield self._ids[k]
+        if self._order.size > EAGER:
+            yield from self._ids[self._order[EAGER:]].tolist()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str):
+            return NotImplemented
+        return len(other) == len(self) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"Ranking({list(self)!r})"
+
+
+EAGER = 4  # ids a ranking's iteration reads one by one before copying the rest at once
 
 
 class RoutingPolicy(abc.ABC):
@@ -39,7 +83,7 @@ class RoutingPolicy(abc.ABC):
         """The request ranked last went to ``replica_id`` (not always the first choice)."""
 
     @abc.abstractmethod
-    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> list[str]:
+    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> Sequence[str]:
         """Replica ids, the preferred first (usually every replica once)."""
 
     def explain(self) -> str:
@@ -62,11 +106,20 @@ def rendezvous_weights(key: bytes, replicas: Sequence[str] | ReplicaTable) -> np
             ids_hash = replicas.id_hashes = _id_hashes(replicas.ids)
     else:
         ids_hash = _id_hashes(replicas)
-    x = ids_hash ^ np.uint64(id_hash(key))
+    x = ids_hash ^ np.uint64(id_hash(key))  # a new array: the steps below work in place
+    shifted = np.empty_like(x)
     with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+        for shift, factor in _SPLITMIX:
+            x ^= np.right_shift(x, shift, out=shifted)
+            np.multiply(x, factor, out=x)
+    x ^= np.right_shift(x, np.uint64(31), out=shifted)
+    return x
+
+
+_SPLITMIX = (
+    (np.uint64(30), np.uint64(0xBF58476D1CE4E5B9)),
+    (np.uint64(27), np.uint64(0x94D049BB133111EB)),
+)
 
 
 def _id_hashes(ids: Sequence[str]) -> np.ndarray:

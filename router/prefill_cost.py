@@ -45,7 +45,7 @@ import numpy as np
 from kvindex.pulls import PullConfig, pull_prices, pulled_token_column
 from kvindex.records import ReplicaState, ReplicaTable, RoutingRequest
 from kvindex.stored import StoreConfig, restore_prices, stored_token_column
-from router.policies import RoutingPolicy, cache_credits, rendezvous_weights
+from router.policies import Ranking, RoutingPolicy, cache_credits, rendezvous_weights
 
 EXPLAINED = 8  # replicas an explanation lists (the choice and the cheapest)
 
@@ -106,7 +106,7 @@ class PrefillCost(RoutingPolicy):
         tokens = stored_token_column(request, table)
         return tokens - restore_prices(store, tokens)
 
-    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> list[str]:
+    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> Sequence[str]:
         if not replicas:
             return []
         table = ReplicaTable.of(replicas)
@@ -133,7 +133,7 @@ class PrefillCost(RoutingPolicy):
         shown = ranked[:EXPLAINED]
         names = table.id_array[shown].tolist()
         self._last = (reason, len(table), names, costs[shown].tolist())
-        return table.id_array[ranked].tolist()
+        return Ranking(table.id_array, ranked)
 
     def _new_prefix(
         self,

@@ -25,6 +25,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -76,6 +77,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._share_due = True
         self._share_task: asyncio.Task[Any] | None = None
         self.stats = routing_stats.RouterStats(self.config.policy)
+        self._last_candidates: list[RunningReplica] | None = None
+        self._by_id: dict[str, RunningReplica] = {}
+        self._candidate_ids: list[str] = []
         self._decisions: dict[str, Decision] = {}  # request -> its decision, until routed
         self._requests: dict[str, str] = {}  # Serve's internal request id -> ours
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -97,7 +101,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         if request is None:  # not an EngineRequest (e.g. a health probe): any replica
             return [candidate_replicas]
         start = time.perf_counter()
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        by_id, ids = self._candidates(candidate_replicas)
         answer = await self._answer(request) if self.core.policy.uses_index else None
         queued = {
             r.replica_id.unique_id: self.replica_queue_len_cache.get(r.replica_id) or 0
@@ -106,13 +110,25 @@ class PrefixAwareRequestRouter(RequestRouter):
         nodes = None
         if self.core.stores:  # where each candidate runs: its node's store serves it
             nodes = {rid: r.node_id for rid, r in by_id.items() if r.node_id}
-        states = self.core.states(list(by_id), answer, request.block_hashes, queued, nodes)
+        states = self.core.states(ids, answer, request.block_hashes, queued, nodes)
         decision = self.core.decide(request, states)
         self._decisions[request.request_id] = decision
         self.stats.record_decision(
             request.request_id, time.perf_counter() - start, self.core.policy.explain()
         )
-        return [[by_id[rid]] for rid in decision.ranking if rid in by_id]
+        return _Ranked(decision.ranking, by_id)  # type: ignore[return-value]
+
+    def _candidates(
+        self, candidates: list[RunningReplica]
+    ) -> tuple[dict[str, RunningReplica], list[str]]:
+        """The candidates by id, and their ids: built again only when Serve's list is a new
+        one (it replaces the list when its replicas change, never edits it), so the core
+        can tell the same candidates from the last decision's without comparing ids."""
+        if candidates is not self._last_candidates:
+            self._last_candidates = candidates
+            self._by_id = {r.replica_id.unique_id: r for r in candidates}
+            self._candidate_ids = list(self._by_id)
+        return self._by_id, self._candidate_ids
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
@@ -225,6 +241,26 @@ class PrefixAwareRequestRouter(RequestRouter):
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+class _Ranked(Sequence[list[RunningReplica]]):
+    """A ranking as Serve takes it, one replica per rank, built only as far as Serve reads
+    (it tries the ranks in order and stops at the first with room)."""
+
+    def __init__(self, ranking: Sequence[str], by_id: dict[str, RunningReplica]) -> None:
+        self.ranking, self.by_id = ranking, by_id
+
+    def __len__(self) -> int:
+        return len(self.ranking)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [[self.by_id[rid]] for rid in self.ranking[i]]
+        return [self.by_id[self.ranking[i]]]
+
+    def __iter__(self) -> Iterator[list[RunningReplica]]:
+        for rid in self.ranking:
+            yield [self.by_id[rid]]
 
 
 def _pull_target(pending: PendingRequest | None) -> str | None:

@@ -66,9 +66,17 @@ class HolderTable:
     # --- lookups ---
 
     def _cells(self, keys: np.ndarray) -> np.ndarray:
-        """Each key's cell, or -1 where it is not in a cell."""
+        """Each key's cell, or -1 where it is not in a cell. Most keys sit in their home
+        cell (the first of the window): one gather finds those, a window only the rest."""
         if keys.size == 0:
             return np.zeros(0, np.int64)
+        home = ((keys >> np.uint64(1)) % self.cap).astype(np.int64)
+        away = np.flatnonzero(self.keys[home] != keys)
+        if away.size:
+            home[away] = self._window_cells(keys[away])
+        return home
+
+    def _window_cells(self, keys: np.ndarray) -> np.ndarray:
         window = self._windows(keys)
         hit = self.keys[window] == keys[:, None]
         cells = window[np.arange(keys.size), hit.argmax(axis=1)].astype(np.int64)
@@ -87,28 +95,38 @@ class HolderTable:
 
     def masks(self, keys: np.ndarray) -> list[int]:
         """Each key's holders as a bitmask of slots (0: none)."""
+        return [self._mask(k, h) for k, h in zip(keys.tolist(), self._holders(keys), strict=True)]
+
+    def _holders(self, keys: np.ndarray) -> list[int]:
+        """Each key's cell's holder (a slot or ``SHARED``), -2 where it is in no cell."""
         cells = self._cells(keys)
-        holders = np.where(cells >= 0, self.holder[np.maximum(cells, 0)], -2).tolist()
-        out = []
-        for key, holder in zip(keys.tolist(), holders, strict=True):
+        return np.where(cells >= 0, self.holder[cells], -2).tolist()
+
+    def _mask(self, key: int, holder: int) -> int:
+        if holder == -2:
+            holder = self.overflow.get(key, -2)
             if holder == -2:
-                holder = self.overflow.get(key, -2)
-            out.append(0 if holder == -2 else self.shared[key] if holder == SHARED else 1 << holder)
-        return out
+                return 0
+        return self.shared[key] if holder == SHARED else 1 << holder
 
     def leading_runs(self, keys: np.ndarray, live: int) -> list[tuple[int, int]]:
         """``(run, mask)`` pairs: the slots in ``mask`` (of ``live``, a bitmask) hold exactly
         ``run`` leading keys of the chain (slots with none are left out)."""
-        runs, alive = [], live
-        for i, held in enumerate(self.masks(keys)):
+        runs, alive, shared = [], live, self.shared
+        for i, (key, holder) in enumerate(zip(keys.tolist(), self._holders(keys), strict=True)):
+            # ``_mask`` inlined for the common cells: this loop is most of a decision's
+            held = 1 << holder if holder >= 0 else shared[key] if holder == SHARED else 0
+            if holder == -2:
+                held = self._mask(key, holder)
             still = alive & held
-            if alive & ~still and i:
-                runs.append((i, alive & ~still))
-            alive = still
-            if not alive:
-                break
-        if alive:
-            runs.append((len(keys), alive))
+            if still != alive:
+                if i:
+                    runs.append((i, alive & ~still))
+                if not still:
+                    return runs
+                alive = still
+        if alive and keys.size:
+            runs.append((keys.size, alive))
         return runs
 
     # --- changes ---
