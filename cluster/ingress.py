@@ -160,10 +160,11 @@ class Ingress:
             app, self.model_id, self.args.engine.shape.vocab_size, self.args.max_tokens_limit
         )
 
-    def __del__(self) -> None:  # Serve stops the replica: its metrics leave the others'
-        share = getattr(self, "metrics_share", None)
+    def __del__(self) -> None:  # Serve stops the replica: its metrics leave the others',
+        share = getattr(self, "metrics_share", None)  # its router's bookings the index
         if share is not None:
             share.stop()
+        link.LINK.close()
 
     @app.get("/health")
     async def health(self) -> dict[str, str]:

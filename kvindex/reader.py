@@ -61,6 +61,7 @@ class IndexReader:
             config.url, retry=AsyncRetry(NoBackoff(), 0), **options
         )
         self._query = self._redis.register_script(scripts.QUERY)
+        self._unshare = self._redis.register_script(scripts.UNSHARE)
         self._ascripts = {
             name: self._aredis.register_script(src)
             for name, src in (
@@ -131,6 +132,15 @@ class IndexReader:
         for rid, hashes in predictions:
             args += [rid, b"".join(hashes)]
         return await self._awrite("share", *args)
+
+    def unshare(self, router_id: str) -> bool:
+        """A stopping router's shared bookings leave the index now (False: Redis did not
+        answer; they lapse after their TTL instead)."""
+        try:
+            self._unshare(args=[self.namespace, router_id])
+        except (redis.RedisError, OSError):
+            return False
+        return True
 
     async def _awrite(self, name: str, *args: object) -> int:
         try:

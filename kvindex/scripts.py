@@ -264,6 +264,19 @@ return seq
 """
 )
 
+# ARGV: ns, router. A router stopping cleanly withdraws its shared bookings at once (its
+# requests ended with it), rather than leaving them counted until they lapse; the mirrors
+# see an empty share that has already expired.
+UNSHARE = (
+    EMIT
+    + """
+local ns, router = ARGV[1], ARGV[2]
+redis.call('DEL', ns .. ':rl:' .. router)
+redis.call('HDEL', ns .. ':routers', router)
+return emit(ns, 'share', router, '0|')
+"""
+)
+
 # ARGV: ns. What a mirror starts from (``kvindex.mirror``), read at one instant: the log's
 # name and last sequence number, the registry (id, epoch, ...), the loads hash and the
 # routers' shared bookings (router, payload, ...). The blocks are read after, replica by

@@ -34,6 +34,9 @@ class LinkedRouter(Protocol):
     def engine_replicas(self) -> int | None:
         """The engine replicas Serve runs now (None: none known yet)."""
 
+    def close(self) -> None:
+        """The ingress is stopping: let go of the index (its shared bookings)."""
+
 
 class RouterLink:
     def __init__(self) -> None:
@@ -67,6 +70,11 @@ class RouterLink:
         """For the ingress's admission cap (a length read, safe from any thread)."""
         router = self._router
         return router.engine_replicas() if router is not None else None
+
+    def close(self) -> None:
+        router, self._router = self._router, None
+        if router is not None:
+            router.close()
 
 
 LINK = RouterLink()

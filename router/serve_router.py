@@ -75,6 +75,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             routing_stats.MIRROR_SYNCED_AT.set_function(lambda: mirror.synced_at or 0.0)
         self._predictions: list[tuple[str, tuple[bytes, ...]]] = []  # routed since the share
         self._share_due = True
+        self._closed = False
         self._share_task: asyncio.Task[Any] | None = None
         self.stats = routing_stats.RouterStats(self.config.policy)
         self._last_candidates: list[RunningReplica] | None = None
@@ -226,8 +227,18 @@ class PrefixAwareRequestRouter(RequestRouter):
             if self._share_due or now - last >= cfg.heartbeat_interval_s:
                 last = now if await self.share() else last
 
+    def close(self) -> None:
+        """The ingress is stopping: the mirror's thread ends and this router's shared
+        bookings leave the index now, not a heartbeat TTL later (no share after this)."""
+        self._closed = True
+        if self.mirror is not None:
+            self.mirror.stop()
+            self.index.unshare(self.router_id)
+
     async def share(self) -> int:
         """Share this router's bookings now: the log's sequence number, 0 if not taken."""
+        if self._closed:
+            return 0
         load = self.core.bookings.totals()
         totals = {r: (v.prefill_tokens, v.in_flight, v.decode_blocks) for r, v in load.items()}
         predictions, self._predictions = self._predictions, []

@@ -259,9 +259,53 @@ def test_routers_see_each_others_shared_bookings_until_they_lapse(fresh_redis) -
         assert mirror.state.shared_in_flight == 0  # what an ingress's admission reads
 
 
+def test_a_router_stopping_cleanly_withdraws_its_shared_bookings_at_once(fresh_redis) -> None:
+    """``unshare`` (a router's ``close``, as its ingress stops): the other mirrors drop its
+    load now, not a TTL later, and nothing of it is left in Redis."""
+    index = Index(fresh_redis.url)
+    index.writer.register("r0", "e")
+    other = caught_up(IndexMirror(index.config, MODEL, 10, "b", live_poll_s=0.0), index)
+    assert index.run(index.reader.ashare("a", 60.0, {"r0": (100, 2, 9)}, [], 30.0))
+    assert caught_up(other, index).query(CHAINS[0])["r0"].in_flight == 2
+    assert index.reader.unshare("a")
+    assert caught_up(other, index).query(CHAINS[0])["r0"].in_flight == 0
+    assert other.state.shared_in_flight == 0
+    ns = index.reader.namespace
+    assert not index.client.exists(f"{ns}:rl:a") and not index.client.hexists(f"{ns}:routers", "a")
+    late = caught_up(IndexMirror(index.config, MODEL, 10, "c", live_poll_s=0.0), index)
+    assert late.state.shared_in_flight == 0  # a snapshot after it has none of it either
+
+
 def test_a_snapshot_of_more_replicas_than_one_round_trip_reads(fresh_redis) -> None:
     index = Index(fresh_redis.url)
     for r in range(SNAPSHOT_CHUNK * 2 + 5):
         index.writer.register(f"s{r}", "e")
         index.writer.publish(f"s{r}", "e", CHAINS[r % len(CHAINS)][: 1 + r % 9])
     assert_same(index.mirror(), index)
+
+
+def test_a_core_skips_comparing_candidates_only_while_both_lists_are_the_same() -> None:
+    """The routing core remembers that Serve's candidate list and the mirror's live list
+    were one set (``RoutingCore._taken``): the same two lists again are not compared, a
+    new list of either is."""
+    state = MirrorState()
+    chain = CHAINS[0]
+    for rid in "abc":
+        state.register(rid, "e")
+    state.add("a", chain)
+    state.add("b", chain[:4])
+    state.set_live(["c", "b", "a"])
+    core = RoutingCore(make_policy(routing_config(policy="prefill_cost")))
+    candidates = ["a", "b", "c"]
+
+    def held(ids: list[str]) -> dict[str, int | None]:
+        table = core.states(ids, state.answer(chain, 0.0), chain)
+        return {s.replica_id: s.cached_blocks for s in table}
+
+    everyone = {"a": len(chain), "b": 4, "c": 0}
+    assert held(candidates) == everyone
+    assert core._same_lists == (candidates, state.live)  # remembered
+    assert held(candidates) == everyone
+    assert held(["a", "b"]) == {"a": len(chain), "b": 4}  # another candidate list
+    state.set_live(["a", "c"])  # b left: another live list
+    assert held(candidates) == {"a": len(chain), "b": 0, "c": 0}

@@ -392,3 +392,25 @@ def test_the_explanation_is_the_name_before_any_decision_and_counts_the_unlisted
     assert policy.rank(request(3), replicas)[:8] == [f"r{i}" for i in range(8)]
     listed = " ".join(f"r{i}={133 + i}" for i in range(8))
     assert policy.explain() == f"prefill_cost new prefix: r0 {listed} (+2 more)"
+
+
+def test_a_ranking_is_every_replica_by_cost_then_rendezvous_however_it_is_read() -> None:
+    """``prefill_cost``'s ranking (read lazily, ``Ranking``) is the choice, then every
+    other replica by cost, ties by rendezvous weight: the same list an eager sort gives,
+    by index, slice, iteration past the first few, or comparison."""
+    policy = cost_policy(sticky_budget_tokens=0)
+    rng = __import__("random").Random(5)
+    replicas = [
+        state(f"r{i}", cached_blocks=rng.choice([0, 0, 2, 8]), in_flight=rng.randrange(3))
+        for i in range(40)
+    ]
+    req = request(3, num_blocks=8)
+    ranking = policy.rank(req, replicas)
+    costs = policy.costs(req, replicas)
+    weights = dict(zip(costs, rendezvous_weights(req.affinity_key, list(costs)).tolist()))
+    by_cost = sorted(costs, key=lambda rid: (costs[rid], -weights[rid]))
+    expected = [ranking[0]] + [rid for rid in by_cost if rid != ranking[0]]
+    assert list(ranking) == expected and ranking == expected and expected == ranking
+    assert len(ranking) == 40 and ranking[-1] == expected[-1] and ranking[5:9] == expected[5:9]
+    assert [rid for rid in ranking] == expected  # iteration past the eager few
+    assert ranking != expected[::-1] and ranking != expected[:-1]

@@ -84,18 +84,8 @@ class HolderTable:
 
     def holders_of(self, key: int) -> set[int]:
         """The slots holding one key."""
-        cell = int(self._cells(np.array([key], np.uint64))[0])
-        holder = int(self.holder[cell]) if cell >= 0 else self.overflow.get(key)
-        if holder is None:
-            return set()
-        if holder != SHARED:
-            return {holder}
-        mask = self.shared[key]
+        mask = self._mask(key, self._holders(np.array([key], np.uint64))[0])
         return {s for s in range(mask.bit_length()) if mask >> s & 1}
-
-    def masks(self, keys: np.ndarray) -> list[int]:
-        """Each key's holders as a bitmask of slots (0: none)."""
-        return [self._mask(k, h) for k, h in zip(keys.tolist(), self._holders(keys), strict=True)]
 
     def _holders(self, keys: np.ndarray) -> list[int]:
         """Each key's cell's holder (a slot or ``SHARED``), -2 where it is in no cell."""
