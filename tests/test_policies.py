@@ -407,7 +407,8 @@ def test_a_ranking_is_every_replica_by_cost_then_rendezvous_however_it_is_read()
     req = request(3, num_blocks=8)
     ranking = policy.rank(req, replicas)
     costs = policy.costs(req, replicas)
-    weights = dict(zip(costs, rendezvous_weights(req.affinity_key, list(costs)).tolist()))
+    ids = list(costs)
+    weights = dict(zip(ids, rendezvous_weights(req.affinity_key, ids).tolist(), strict=True))
     by_cost = sorted(costs, key=lambda rid: (costs[rid], -weights[rid]))
     expected = [ranking[0]] + [rid for rid in by_cost if rid != ranking[0]]
     assert list(ranking) == expected and ranking == expected and expected == ranking
