@@ -81,13 +81,15 @@ class PrefillCost(RoutingPolicy):
         return dict(zip(table.ids, self.cost_column(request, table).tolist(), strict=True))
 
     def cost_column(self, request: RoutingRequest, table: ReplicaTable) -> np.ndarray:
-        return (
+        costs = (
             table.column("booked_prefill_tokens")
-            + request.num_prompt_tokens
-            - cache_credits(request, table)
-            - np.maximum(self._pull_saving(request, table), self._store_saving(request, table))
+            + (request.num_prompt_tokens - cache_credits(request, table))
             + self.knobs.decode_cost_tokens * table.column("in_flight")
         )
+        pulled, stored = self._pull_saving(request, table), self._store_saving(request, table)
+        if isinstance(pulled, np.ndarray) or isinstance(stored, np.ndarray):
+            costs -= np.maximum(pulled, stored)
+        return costs
 
     def _pull_saving(self, request: RoutingRequest, table: ReplicaTable) -> np.ndarray | int:
         """Prefill tokens a pull saves each replica for this request, net of its price."""
@@ -115,9 +117,8 @@ class PrefillCost(RoutingPolicy):
         by_cost = np.lexsort((~weights, costs))  # cost, then rendezvous order
         credits = cache_credits(request, table)
         held = table.held
-        most = np.flatnonzero(held == held.max())
-        most = most[costs[most] == costs[most].min()]
-        holder = int(most[np.argmax(weights[most])])  # holds the most; cheapest; rendezvous
+        # holds the most; among those the cheapest, then rendezvous: the first in by_cost
+        holder = int(by_cost[np.argmax(held[by_cost] == held.max())])
         if credits[holder] >= max(
             request.block_size, self.knobs.min_hit_fraction * request.usable_tokens
         ):
