@@ -2,6 +2,9 @@
 
 Key layout and semantics are documented in ``kvindex.keys``. Every script that writes a
 replica's blocks first checks the caller's epoch, so a replaced replica cannot write.
+
+Longer than 300 lines because it holds all thirteen scripts, each a short one: every
+write to the index is read here against the same keys and the same log, in one place.
 """
 
 from kvindex.lua import EMIT, LIVE, NOW, PURGE, UNBOOK
