@@ -309,3 +309,59 @@ def test_a_core_skips_comparing_candidates_only_while_both_lists_are_the_same() 
     assert held(["a", "b"]) == {"a": len(chain), "b": 4}  # another candidate list
     state.set_live(["a", "c"])  # b left: another live list
     assert held(candidates) == {"a": len(chain), "b": 0, "c": 0}
+
+
+def test_a_router_alone_shares_once_a_heartbeat_and_fast_once_another_shares(
+    fresh_redis,
+) -> None:
+    """The Serve router's share loop: with no other router's share in its mirror it shares
+    only every heartbeat interval, however often its bookings change; once another
+    router's share arrives it shares every ``share_interval_s`` while they change."""
+    from test_routing_core import Unserved
+
+    config = IndexConfig(
+        url=fresh_redis.url,
+        cluster="alone",
+        mirror=True,
+        share_interval_s=0.01,
+        heartbeat_interval_s=0.25,
+        heartbeat_ttl_s=30.0,
+    )
+    router = Unserved.__new__(Unserved)
+    router.initialize_state(
+        routing={"policy": "prefill_cost"}, model_id=MODEL, index=config.model_dump()
+    )
+    assert router.mirror.wait_for(0, timeout_s=10)
+    shares = []
+    real_share = router.share
+
+    async def counted() -> int:
+        shares.append(time.monotonic())
+        return await real_share()
+
+    router.share = counted  # type: ignore[method-assign]
+
+    async def drive(seconds: float) -> int:
+        before, end = len(shares), time.monotonic() + seconds
+        while time.monotonic() < end:
+            router._share_due = True  # bookings change all the time
+            await asyncio.sleep(0.005)
+        return len(shares) - before
+
+    async def both() -> tuple[int, int]:
+        loop = asyncio.create_task(router._share_loop())
+        alone = await drive(1.0)
+        other = IndexReader(config, MODEL)
+        assert await other.ashare("other-router", 30.0, {"r0": (1, 1, 1)}, [], 5.0)
+        deadline = time.monotonic() + 5
+        while not router.mirror.state.shares and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        together = await drive(1.0)
+        loop.cancel()
+        await other.aclose()
+        return alone, together
+
+    alone, together = asyncio.run(both())
+    router.close()
+    assert 3 <= alone <= 6, alone  # every 0.25 s, not every 0.01 s
+    assert together >= 12, together  # every 0.01 s while they change (a loaded machine: fewer)
