@@ -222,9 +222,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         ``heartbeat_ttl_s``); never raises.
 
         A router alone (no other router's share in its mirror: one ingress, the default)
-        has nobody to tell within 20 ms: a share every 20 ms under load cost TTFT p50 +25%
-        on 2 cores (docs/results.md), so it shares only every heartbeat interval, which
-        is how a second router sees it; it speeds up once that router's shares arrive."""
+        has nobody to tell within 20 ms, and sharing 50 times a second costs the ingress's
+        CPU (TTFT, docs/results.md); so it shares only every heartbeat interval, which is
+        how a second router sees it, and speeds up once that router's shares arrive."""
         cfg = self.index_config
         last = 0.0
         while True:

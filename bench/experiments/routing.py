@@ -242,6 +242,7 @@ def _router_metrics(stats: dict[str, Any]) -> dict[str, Any]:
         "decision_p99_ms": (stats["decision_p99_s"] or 0) * 1e3,
         "index_unknown": counters.get("query_failures", 0) + counters.get("queries_skipped", 0),
         "mirror_unknown": mirror.get("unknown_answers"),
+        "mirror_events": mirror.get("events"),  # the log's events its follower applied
     }
 
 
