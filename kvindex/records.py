@@ -138,7 +138,6 @@ class ReplicaTable(Sequence[ReplicaState]):
         self._states = list(states) if states is not None else None
         self.id_hashes = id_hashes
         self._positions = positions  # id -> index (a mirror passes the one it keeps)
-        self._held: np.ndarray | None = None
         self._derived: dict[Hashable, np.ndarray] = {}
         assert self._columns is not None or self._states is not None
 
@@ -169,9 +168,10 @@ class ReplicaTable(Sequence[ReplicaState]):
     @property
     def held(self) -> np.ndarray:
         """``ReplicaState.held_blocks`` of each (computed once: the columns never change)."""
-        if self._held is None:
-            self._held = np.maximum(self.column("cached_blocks"), self.column("predicted_blocks"))
-        return self._held
+        return self.derived(
+            "held",
+            lambda: np.maximum(self.column("cached_blocks"), self.column("predicted_blocks")),
+        )
 
     def with_columns(self, **columns: np.ndarray) -> ReplicaTable:
         """A copy with some columns replaced (its states are built anew where asked)."""

@@ -41,7 +41,6 @@ class Ranking(Sequence[str]):
 
     def __init__(self, ids: np.ndarray, order: np.ndarray) -> None:
         self._ids, self._order = ids, order
-        self._all: list[str] | None = None
 
     def __len__(self) -> int:
         return int(self._order.size)

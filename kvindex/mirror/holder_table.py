@@ -104,10 +104,14 @@ class HolderTable:
         ``run`` leading keys of the chain (slots with none are left out)."""
         runs, alive, shared = [], live, self.shared
         for i, (key, holder) in enumerate(zip(keys.tolist(), self._holders(keys), strict=True)):
-            # ``_mask`` inlined for the common cells: this loop is most of a decision's
-            held = 1 << holder if holder >= 0 else shared[key] if holder == SHARED else 0
-            if holder == -2:
-                held = self._mask(key, holder)
+            # ``_mask`` inlined but for the overflow: this loop is most of a decision's
+            held = (
+                1 << holder
+                if holder >= 0
+                else shared[key]
+                if holder == SHARED
+                else self._mask(key, holder)
+            )
             still = alive & held
             if still != alive:
                 if i:
