@@ -28,8 +28,12 @@ in one rule set:
   store holds beyond its own (``kvindex.stored``), so those tokens cost a copy's price.
   A prefix evicted from every pool, or left by a replica that died, is still cheap on
   every replica of the node that kept it.
-* **Ties** break in rendezvous order of the prompt's affinity key: two ingress routers
-  make the same choice for the same new prefix, and different prefixes spread.
+* **Ties** break in rendezvous order of the first block of the prompt beyond the longest
+  run any replica holds (``tie_key``): the block where this prompt parts from what is
+  cached, a new tenant's or a new conversation's first block of its own. Two ingress
+  routers make the same choice for the same new prefix, and different prefixes spread even
+  when they share a system prompt longer than the affinity key's blocks (keyed by that, all
+  of them would break every tie towards one replica).
 
 The ranking lists every replica, the chosen one first and then by cost, so a full replica
 spills to the next instead of making the request wait.
@@ -60,6 +64,16 @@ class CostKnobs:
     min_hit_fraction: float = 0.5
     pull: PullConfig | None = None  # the replicas pull prefixes: price a pull, not a prefill
     store: StoreConfig | None = None  # node stores: price a restore, not a prefill
+
+
+def tie_key(request: RoutingRequest, held_blocks: int) -> bytes:
+    """The key whose rendezvous order breaks ties among replicas of equal cost: the block
+    of the chain after the longest run held (``held_blocks``), its last block if all of it
+    is held, the affinity key for a prompt shorter than a block."""
+    chain = request.block_hashes
+    if not chain:
+        return request.affinity_key
+    return chain[min(held_blocks, len(chain) - 1)]
 
 
 class PrefillCost(RoutingPolicy):
@@ -113,12 +127,13 @@ class PrefillCost(RoutingPolicy):
             return []
         table = ReplicaTable.of(replicas)
         costs = self.cost_column(request, table)
-        weights = rendezvous_weights(request.affinity_key, table)
+        held = table.held
+        most = held.max()
+        weights = rendezvous_weights(tie_key(request, int(most)), table)
         by_cost = np.lexsort((~weights, costs))  # cost, then rendezvous order
         credits = cache_credits(request, table)
-        held = table.held
         # holds the most; among those the cheapest, then rendezvous: the first in by_cost
-        holder = int(by_cost[np.argmax(held[by_cost] == held.max())])
+        holder = int(by_cost[np.argmax(held[by_cost] == most)])
         if credits[holder] >= max(
             request.block_size, self.knobs.min_hit_fraction * request.usable_tokens
         ):

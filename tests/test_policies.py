@@ -221,12 +221,36 @@ def test_a_held_template_head_does_not_pull_every_new_prefix_onto_one_replica() 
     assert policy.rank(req, replicas)[0] == "a"
 
 
-def test_prefill_cost_ties_follow_the_prompts_rendezvous_order() -> None:
+def test_prefill_cost_ties_follow_the_rendezvous_order_of_the_first_block_nobody_holds() -> None:
     policy = cost_policy()
     for seed in range(20):
         req = request(seed)
-        replicas = [state(r) for r in ("a", "b", "c", "d")]
-        assert policy.rank(req, replicas)[0] == weights_first(req.affinity_key, list("abcd"))
+        replicas = [state(r) for r in ("a", "b", "c", "d")]  # nothing held: the first block
+        assert policy.rank(req, replicas)[0] == weights_first(req.block_hashes[0], list("abcd"))
+        held = [state(r, cached_blocks=3) for r in ("a", "b", "c", "d")]  # all hold 3: the 4th
+        assert policy.rank(req, held)[0] == weights_first(req.block_hashes[3], list("abcd"))
+    whole = request(3)  # every block held: its last block
+    held = [state(r, cached_blocks=8) for r in ("a", "b", "c", "d")]
+    assert policy.rank(whole, held)[0] == weights_first(whole.block_hashes[-1], list("abcd"))
+    short = RoutingRequest("", [], HASHER.affinity_key([1, 2, 3], 4), 3, 16)  # under a block
+    assert policy.rank(short, held)[0] == weights_first(short.affinity_key, list("abcd"))
+
+
+def test_conversations_sharing_a_long_system_prompt_spread_over_idle_replicas() -> None:
+    """Every conversation starts with the same 6-block system prompt, which every replica
+    holds: the affinity key (4 blocks) is one for all of them, yet the idle replicas must
+    share the new conversations, not give every one to the first in that key's order."""
+    policy = cost_policy()
+    system = [(7919 * i) % 256 for i in range(6 * 16)]
+    chosen = []
+    for conversation in range(32):
+        tokens = system + [(conversation * 31 + i) % 256 for i in range(40)]
+        chain = HASHER.chain(tokens)
+        req = RoutingRequest("", chain, HASHER.affinity_key(tokens, 4, chain=chain), len(tokens), 16)
+        replicas = [state(r, cached_blocks=6) for r in ("a", "b", "c", "d")]
+        chosen.append(policy.rank(req, replicas)[0])
+    assert set(chosen) == set("abcd")
+    assert max(chosen.count(r) for r in "abcd") <= 16
 
 
 def test_ray_prefix_model_follows_its_tree_and_waits_for_its_owner() -> None:
@@ -364,7 +388,7 @@ def test_twin_holders_break_their_tie_in_rendezvous_order_not_list_order() -> No
     firsts = set()
     for seed in range(8):
         req = request(seed, num_blocks=8)
-        first = weights_first(req.affinity_key, ["a", "b"])
+        first = weights_first(req.block_hashes[-1], ["a", "b"])  # all held: the last block
         firsts.add(first)
         for names in (["a", "b", "c"], ["b", "a", "c"]):
             replicas = [state(n, cached_blocks=8 if n != "c" else 0) for n in names]
@@ -408,7 +432,8 @@ def test_a_ranking_is_every_replica_by_cost_then_rendezvous_however_it_is_read()
     ranking = policy.rank(req, replicas)
     costs = policy.costs(req, replicas)
     ids = list(costs)
-    weights = dict(zip(ids, rendezvous_weights(req.affinity_key, ids).tolist(), strict=True))
+    key = req.block_hashes[-1]  # the most held is all 8 blocks: ties go by the last
+    weights = dict(zip(ids, rendezvous_weights(key, ids).tolist(), strict=True))
     by_cost = sorted(costs, key=lambda rid: (costs[rid], -weights[rid]))
     expected = [ranking[0]] + [rid for rid in by_cost if rid != ranking[0]]
     assert list(ranking) == expected and ranking == expected and expected == ranking
