@@ -49,7 +49,8 @@ return 1
 """
 
 # ARGV: ns, rid, epoch, replace (0/1), n_stored, stored..., removed...
-# replace = 1 makes the stored hashes the replica's whole set (a resync).
+# replace = 1 makes the stored hashes the replica's whole set (a resync). A removed block's
+# prediction there goes with it.
 PUBLISH = (
     PURGE
     + """
@@ -62,9 +63,15 @@ for i = 6, 5 + n_stored do
   redis.call('SADD', ns .. ':b:' .. ARGV[i], rid)
   redis.call('SADD', rkey, ARGV[i])
 end
+-- a removed block is no longer predicted there either: a prediction stands in for blocks
+-- a booked prefill will publish, and an eviction says they are gone (a mirror applying the
+-- 'rem' event drops the same predictions)
+local pr = ns .. ':pr:' .. rid
 for i = 6 + n_stored, #ARGV do
   redis.call('SREM', ns .. ':b:' .. ARGV[i], rid)
   redis.call('SREM', rkey, ARGV[i])
+  redis.call('ZREM', ns .. ':pb:' .. ARGV[i], rid)
+  redis.call('ZREM', pr, ARGV[i])
 end
 if n_stored > 0 then emit(ns, 'add', rid, table.concat(ARGV, '', 6, 5 + n_stored)) end
 if #ARGV > 5 + n_stored then emit(ns, 'rem', rid, table.concat(ARGV, '', 6 + n_stored)) end

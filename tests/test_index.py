@@ -16,6 +16,7 @@ import redis
 from conftest import tiny
 
 from bench.harness.redis_server import LocalRedis
+from bench.sim.index import SimIndex
 from kvindex.config import IndexConfig
 from kvindex.hashing import BlockHasher
 from kvindex.reader import TRIP_AFTER_FAILURES, IndexReader
@@ -23,6 +24,7 @@ from kvindex.records import Booking, ReplicaState
 from kvindex.scripts import QUERY_FIELDS
 from kvindex.writer import IndexWriter, StaleEpochError
 from replica.engine import Engine, SamplingParams
+from replica.engine.prefix_cache import CacheEvents
 from replica.publisher import IndexPublisher
 
 MODEL = "tiny-llama-6m"
@@ -376,3 +378,42 @@ def test_booking_failures_are_counted_never_raised(fresh_redis) -> None:
         asyncio.run(index.reader.abook(Booking("r0", "q", 10, 1, H[:2]), 5.0, 60.0)) == 0
     )  # not taken
     assert index.reader.counters.booking_failures == 1
+
+
+def test_an_evicted_block_is_no_longer_predicted_on_its_replica(fresh_redis) -> None:
+    """A prediction stands in for blocks a booked prefill will publish; once the replica
+    evicts them they are gone there, however long the prediction had to live (other
+    replicas' predictions of the same blocks stay)."""
+    index = index_for(fresh_redis)
+    for rid in ("r0", "r1"):
+        index.writer.register(rid, "e")
+    index.writer.publish("r0", "e", H[:4])
+
+    async def book() -> None:
+        await index.reader.abook(Booking("r0", "q0", 0, 4, H[:4]), 60.0, 60.0)
+        await index.reader.abook(Booking("r1", "q1", 64, 4, H[:4]), 60.0, 60.0)
+
+    asyncio.run(book())
+    assert index.reader.query(H[:4])["r0"].predicted_blocks == 4
+    index.writer.publish("r0", "e", [], removed=H[2:4])  # evicted
+    answer = index.reader.query(H[:4])
+    assert (answer["r0"].cached_blocks, answer["r0"].predicted_blocks) == (2, 2)
+    assert answer["r1"].predicted_blocks == 4
+    left = fresh_redis_members(fresh_redis, f"{index.namespace}:pr:r0")
+    assert left == set(H[:2])
+    # the simulator's index keeps the same rule
+    sim = SimIndex()
+    sim.listener("r0")(CacheEvents(tuple(H[:4]), ()))
+    sim.book(Booking("r0", "q0", 0, 4, H[:4]), 0.0)
+    sim.book(Booking("r1", "q1", 64, 4, H[:4]), 0.0)
+    sim.listener("r0")(CacheEvents((), tuple(H[2:4])))
+    simulated = sim.query(H[:4], ["r0", "r1"], 1.0)
+    for rid in ("r0", "r1"):
+        assert (simulated[rid].cached_blocks, simulated[rid].predicted_blocks) == (
+            answer[rid].cached_blocks,
+            answer[rid].predicted_blocks,
+        )
+
+
+def fresh_redis_members(server: LocalRedis, key: str) -> set[bytes]:
+    return set(redis.Redis.from_url(server.url).zrange(key, 0, -1))

@@ -246,7 +246,9 @@ def test_conversations_sharing_a_long_system_prompt_spread_over_idle_replicas() 
     for conversation in range(32):
         tokens = system + [(conversation * 31 + i) % 256 for i in range(40)]
         chain = HASHER.chain(tokens)
-        req = RoutingRequest("", chain, HASHER.affinity_key(tokens, 4, chain=chain), len(tokens), 16)
+        req = RoutingRequest(
+            "", chain, HASHER.affinity_key(tokens, 4, chain=chain), len(tokens), 16
+        )
         replicas = [state(r, cached_blocks=6) for r in ("a", "b", "c", "d")]
         chosen.append(policy.rank(req, replicas)[0])
     assert set(chosen) == set("abcd")

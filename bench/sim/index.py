@@ -32,6 +32,9 @@ class SimIndex:
                 if held is not None and replica_id in held:
                     held.discard(replica_id)
                     self.footprint[replica_id] -= 1
+                predicted = self.predicted.get(h)
+                if predicted is not None:  # evicted: no longer predicted there (PUBLISH)
+                    predicted.pop(replica_id, None)
             for h in events.stored:
                 held = self.holders.setdefault(h, set())
                 if replica_id not in held:

@@ -88,7 +88,15 @@ class MirrorState:
         self.holders.add(self._slot_of(rid), block_keys(list(blocks)))
 
     def remove(self, rid: str, blocks: Iterable[bytes]) -> None:
-        self.holders.remove(self._slot_of(rid), block_keys(list(blocks)))
+        """Blocks evicted: neither held nor predicted there any longer (as ``PUBLISH``)."""
+        blocks = list(blocks)
+        self.holders.remove(self._slot_of(rid), block_keys(blocks))
+        mine = self.predicted_of.get(rid)
+        if mine:
+            for block in blocks:
+                if block in mine:
+                    mine.discard(block)
+                    self._unpredict(block, rid)
 
     def reserve(self, blocks: int) -> None:
         """Room for ``blocks`` more (a snapshot's next replicas)."""
@@ -116,11 +124,14 @@ class MirrorState:
         slot = self._slot_of(rid)
         self.holders.purge(slot)
         for block in self.predicted_of.pop(rid, ()):
-            by_replica = self.predicted.get(block, {})
-            by_replica.pop(rid, None)
-            if not by_replica:
-                self.predicted.pop(block, None)
+            self._unpredict(block, rid)
         self.loads[slot] = 0
+
+    def _unpredict(self, block: bytes, rid: str) -> None:
+        by_replica = self.predicted.get(block, {})
+        by_replica.pop(rid, None)
+        if not by_replica:
+            self.predicted.pop(block, None)
 
     def share(self, router: str, payload: bytes) -> None:
         """A router's shared bookings (``expiry|replica:prefill:active:decode,...``),
