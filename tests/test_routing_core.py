@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 from conftest import tiny
+from ray.serve._private.common import DeploymentID, ReplicaID
+from ray.serve._private.request_router.common import ReplicaQueueLengthCache
 
 from bench.harness.redis_server import LocalRedis
 from bench.sim.cost_model import CostModel
@@ -29,7 +31,7 @@ from kvindex.writer import IndexWriter
 from replica.engine.prefix_cache import CacheEvents
 from router.config import make_policy, routing_config
 from router.core import Decision, RoutingCore
-from router.serve_router import PrefixAwareRequestRouter
+from router.serve_router import PrefixAwareRequestRouter, queued_requests
 
 MODEL = "tiny-llama-6m"
 REPLICAS = ["sim-0000", "sim-0001", "sim-0002"]
@@ -142,3 +144,30 @@ def test_the_serve_router_and_the_simulator_make_the_same_decisions(fresh_redis,
     # and the case is not trivial: hits, a spread of first choices, credits that differ
     assert len({b.replica_id for b in serve.bookings}) >= 2
     assert any(b.prefill_tokens < 40 for b in serve.bookings)
+
+
+class PublicOnly:
+    """A queue-length cache read through its public ``get`` alone (as another Ray's)."""
+
+    def __init__(self, cache: ReplicaQueueLengthCache) -> None:
+        self.get = cache.get
+
+
+def test_queue_lengths_read_from_serves_cache_entries_equal_a_get_per_candidate() -> None:
+    clock = [1000.0]
+    cache = ReplicaQueueLengthCache(staleness_timeout_s=10.0, get_curr_time_s=lambda: clock[0])
+    deployment = DeploymentID(name="EngineReplica", app_name="llm")
+    ids = [ReplicaID(f"r{i}", deployment) for i in range(6)]
+    cache.update(ids[0], 3)  # fresh
+    cache.update(ids[1], 0)  # fresh, nothing queued
+    cache.update(ids[5], 7)  # not a candidate
+    clock[0] += 8.0
+    cache.update(ids[2], 2)
+    cache.update(ids[3], 4)
+    clock[0] += 4.0  # ids[0], ids[1] and ids[5] are now stale (12 s); ids[4] never probed
+    candidates = [FakeReplica(i) for i in ids[:5]]
+    assert queued_requests(PublicOnly(cache), candidates) == {"r2": 2, "r3": 4}  # type: ignore[arg-type]
+    assert queued_requests(cache, candidates) == {"r2": 2, "r3": 4}  # type: ignore[arg-type]
+    clock[0] -= 4.0  # all fresh: the entries' reading may name a non-candidate (r5)
+    assert queued_requests(PublicOnly(cache), candidates) == {"r0": 3, "r2": 2, "r3": 4}  # type: ignore[arg-type]
+    assert queued_requests(cache, candidates) == {"r0": 3, "r2": 2, "r3": 4, "r5": 7}  # type: ignore[arg-type]

@@ -1,8 +1,9 @@
 """``routing``: policies compared on the real cluster, one trace, one cluster per policy.
 
 For each arrival rate and policy: start ``serve run`` (Ray Serve, engine replicas, the Redis
-index) with that policy, warm it up, replay the trace over HTTP as an outside client
-(streaming), read the engines' own counters from the index, stop the cluster. Writes
+index) with that policy in the experiment's own private Ray, warm it up, replay the trace
+over HTTP as an outside client (streaming), read the engines' own counters from the index,
+stop the cluster (its application; the Ray goes when the experiment ends). Writes
 ``results.json``, ``results.md`` and PNG plots to ``--out``. The node store is on, as by
 default; a policy named with ``+nostore`` (``prefill_cost+nostore``) runs without it.
 """
@@ -19,7 +20,8 @@ from typing import Any
 
 import httpx
 
-from bench.harness.launcher import ServeCluster
+from bench.harness.launcher import ServeCluster, cluster_env
+from bench.harness.private_ray import PrivateRay
 from bench.harness.redis_server import LocalRedis
 from bench.loadgen import drive, progress_printer
 from bench.peers.ray_router import CLASS_PATH as TIMED_RAY_DEFAULT
@@ -148,6 +150,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     with contextlib.ExitStack() as stack:
         url = args.redis_url or stack.enter_context(LocalRedis()).url
+        # one private Ray for every run: each run's ``serve run`` deploys into it and shuts
+        # its application down (Serve's replicas, the index's namespace, the node stores are
+        # the run's own), and ~7 s of ``ray start`` and stop per run are saved
+        ray = PrivateRay(out / "ray.log")
+        out.mkdir(parents=True, exist_ok=True)
+        stack.callback(ray.stop)
+        ray.start(cluster_env())
         for rate, trace in traces(args).items():
             section = section_name(rate)
             out.mkdir(parents=True, exist_ok=True)
@@ -158,7 +167,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for rep in range(args.repeats):  # ABBA: drift over the session hits all alike
                 for policy in policies if rep % 2 == 0 else policies[::-1]:
                     label = f"{section} {policy} ({rep + 1}/{args.repeats})"
-                    runs[policy].append(run_policy(args, policy, trace, url, engine, label))
+                    result = run_policy(args, policy, trace, url, engine, label, ray)
+                    runs[policy].append(result)
             payload["runs"][section] = {
                 p: combine(r) | {"oracle_hit_rate": oracle} for p, r in runs.items()
             }
@@ -179,6 +189,7 @@ def run_policy(
     redis_url: str,
     engine: EngineConfig,
     label: str,
+    ray: PrivateRay | None = None,
 ) -> dict[str, Any]:
     namespace = f"exp-{os.getpid()}-{time.monotonic_ns()}"
     knobs = json.loads(args.knobs) if args.knobs else {}
@@ -194,7 +205,7 @@ def run_policy(
         pull=pull or PullConfig(),
         store=store,
     )
-    cluster = ServeCluster(cluster_args)
+    cluster = ServeCluster(cluster_args, ray=ray)
     try:
         cluster.start()
     except Exception as exc:  # a peer that cannot run is reported, not dropped

@@ -5,8 +5,9 @@ Used by the end-to-end tests and the routing experiments. The config is written 
 (``bench.harness.private_ray``: its own ports and temporary folder, so it never joins or
 stops a Ray someone else started on the machine), ``serve run`` deploys into it, and
 stopping stops both. Given a ``ray_address`` (an existing, possibly multi-node Ray
-cluster), ``serve run`` joins it as ``RAY_ADDRESS`` does, and stopping shuts down the
-application only: the Ray cluster belongs to whoever started it.
+cluster) or a ``ray`` (a private instance the caller started, shared by the clusters it
+runs one after another), ``serve run`` joins it, and stopping shuts down the application
+only: the Ray cluster belongs to whoever started it.
 """
 
 from __future__ import annotations
@@ -56,6 +57,15 @@ def serve_config(
     }
 
 
+def cluster_env(repo: Path = REPO) -> dict[str, str]:
+    """The environment ``serve run`` (and a private Ray for it) runs in."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    # the experiments may name classes of bench/ (not installed) in the config: Ray's
+    # workers inherit this path from the driver
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
+    return env
+
+
 def _default_sigint() -> None:
     """A shell's background jobs (CI, nohup) inherit SIGINT ignored, and Python then never
     raises KeyboardInterrupt, so ``serve run`` would skip its graceful shutdown."""
@@ -73,6 +83,7 @@ class ServeCluster:
         ray_address: str | None = None,
         repo: Path = REPO,
         app_args: dict[str, Any] | None = None,
+        ray: PrivateRay | None = None,
     ) -> None:
         """``repo`` and ``app_args``: another revision of this project (a worktree) and its
         builder's arguments as written in that revision's schema; ``args`` must then name
@@ -86,7 +97,8 @@ class ServeCluster:
         self._dir = Path(tempfile.mkdtemp(prefix="serve-"))
         self.log_path = log_path or self._dir / "serve.log"
         self._proc: subprocess.Popen[bytes] | None = None
-        self._ray: PrivateRay | None = None
+        self._ray: PrivateRay | None = ray
+        self._own_ray = ray is None and ray_address is None
 
     def start(self, timeout_s: float = 180.0) -> ServeCluster:
         config = self._dir / "config.yaml"
@@ -94,14 +106,12 @@ class ServeCluster:
         if self.app_args is not None:
             written["applications"][0]["args"] = self.app_args
         config.write_text(yaml.safe_dump(written))
-        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-        # the experiments may name classes of bench/ (not installed) in the config: Ray's
-        # workers inherit this path from the driver
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.repo), env.get("PYTHONPATH")]))
+        env = cluster_env(self.repo)
         if self.ray_address is not None:
             env["RAY_ADDRESS"] = self.ray_address
         else:
-            self._ray = PrivateRay(self.log_path).start(env)
+            if self._ray is None:
+                self._ray = PrivateRay(self.log_path).start(env)
             env.update(self._ray.env)
         serve = Path(sys.executable).with_name("serve")
         with open(self.log_path, "ab") as log:
@@ -133,7 +143,7 @@ class ServeCluster:
         if self._proc is not None:
             graceful = self._signal_until_stopped(timeout_s)
             self._proc = None
-        if self._ray is not None:  # this cluster's own Ray, and nothing else
+        if self._own_ray and self._ray is not None:  # this cluster's own Ray, nothing else
             self._ray.stop()
             self._ray = None
         # the node store outlives replicas by design; a test's or a run's cluster is gone
@@ -186,7 +196,8 @@ class ServeCluster:
         )
 
     def ray_pids(self) -> list[int]:
-        """The processes of this cluster's own Ray (none when it joined a given address)."""
+        """The processes of this cluster's Ray, its own or the caller's private one (none
+        when it joined a given address)."""
         return self._ray.pids() if self._ray is not None else []
 
     def replica_pids(self, deployment: str) -> list[int]:
