@@ -16,7 +16,8 @@ import redis
 from conftest import keep_logs, tiny
 from streams import replica_pids
 
-from bench.harness.launcher import ServeCluster
+from bench.harness.launcher import ServeCluster, cluster_env
+from bench.harness.private_ray import PrivateRay
 from bench.harness.redis_server import LocalRedis
 from cluster.config import ClusterArgs
 from kvindex.config import IndexConfig
@@ -48,9 +49,22 @@ def redis_server() -> Iterator[LocalRedis]:
 
 
 @pytest.fixture(scope="module")
-def cluster(redis_server: LocalRedis, request: pytest.FixtureRequest) -> Iterator[ServeCluster]:
+def ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRay]:
+    """One private Ray for the module's clusters, one after another (~7 s of start and
+    stop saved per cluster; each ``serve run`` shuts its own application down)."""
+    instance = PrivateRay(tmp_path_factory.mktemp("e2e-ray") / "ray.log").start(cluster_env())
+    try:
+        yield instance
+    finally:
+        instance.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    redis_server: LocalRedis, ray: PrivateRay, request: pytest.FixtureRequest
+) -> Iterator[ServeCluster]:
     failed = request.session.testsfailed
-    c = ServeCluster(cluster_args(redis_server.url, "prefill_cost")).start()
+    c = ServeCluster(cluster_args(redis_server.url, "prefill_cost"), ray=ray).start()
     yield c
     c.stop(keep_logs=keep_logs(request, failed))
 
@@ -410,7 +424,9 @@ def test_a_body_over_the_cap_is_refused_before_it_is_read(cluster: ServeCluster)
     assert fine.status_code == 200
 
 
-def test_round_robin_alternates(redis_server: LocalRedis, cluster: ServeCluster) -> None:
+def test_round_robin_alternates(
+    redis_server: LocalRedis, cluster: ServeCluster, ray: PrivateRay
+) -> None:
     cluster.stop()  # one cluster at a time on two cores
     # a clean shutdown deregisters every replica and purges its blocks
     index = IndexReader(cluster.args.index, MODEL)
@@ -427,7 +443,7 @@ def test_round_robin_alternates(redis_server: LocalRedis, cluster: ServeCluster)
     # deregistration (not expiry and reaping) can take it out of the index below
     patient = IndexConfig(url=redis_server.url, cluster="e2e", heartbeat_ttl_s=60.0)
     args = cluster_args(redis_server.url, "round_robin").model_copy(update={"index": patient})
-    with ServeCluster(args) as rr:
+    with ServeCluster(args, ray=ray) as rr:
         rr_client = openai.OpenAI(base_url=f"{rr.base_url}/v1", api_key="x", max_retries=0)
         order = [chat(rr_client, SYSTEM, f"Q{i}?")[1] for i in range(6)]
         assert order[0] != order[1]
@@ -462,7 +478,7 @@ def test_round_robin_alternates(redis_server: LocalRedis, cluster: ServeCluster)
 
 
 def test_two_ingress_replicas_are_one_in_metrics_and_admission(
-    redis_server: LocalRedis, cluster: ServeCluster
+    redis_server: LocalRedis, cluster: ServeCluster, ray: PrivateRay
 ) -> None:
     """Two ingress replicas with mirrors: a scrape of either shows both, labelled by
     ingress, and summed they count every request (tests/test_admission.py holds their
@@ -472,7 +488,7 @@ def test_two_ingress_replicas_are_one_in_metrics_and_admission(
     args = cluster_args(redis_server.url, "prefill_cost").model_copy(
         update={"index": index, "ingress_replicas": 2, "ingress_num_cpus": 0.05}
     )
-    with ServeCluster(args) as two:
+    with ServeCluster(args, ray=ray) as two:
         two_client = openai.OpenAI(base_url=f"{two.base_url}/v1", api_key="x", max_retries=0)
         # Serve's proxy picks an ingress per request, at random between two idle ones: send
         # until both have served one (8 at first; all 8 to one ingress is 1 run in 128)
