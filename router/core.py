@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Protocol
 
 import numpy as np
 
@@ -29,6 +30,14 @@ from kvindex.stored import StoreConfig, stored_token_column, with_stored
 from router.bookings import Bookings, Load
 from router.policies import RoutingPolicy, cache_credits
 from router.recent_routes import RecentRoutes
+
+
+class QueueFloors(Protocol):
+    """Requests known to be queued at replicas (``router.queue_lengths``: Serve's)."""
+
+    def column(self, ids: Sequence[str]) -> np.ndarray:
+        """Each of ``ids``' count, in order (0 where none is known)."""
+        ...
 
 
 class Decision:
@@ -88,13 +97,13 @@ class RoutingCore:
         replica_ids: Sequence[str],
         answer: Mapping[str, ReplicaState] | None,
         block_hashes: Sequence[bytes],
-        queued: Mapping[str, int] | None = None,
+        queued: QueueFloors | None = None,
         nodes: Mapping[str, str] | None = None,
     ) -> ReplicaTable:
         """What the policy sees of every candidate (``answer`` None: the index did not
         answer, or the policy does not read it). ``queued``: requests the caller knows to be
-        queued at each replica (a floor for its in-flight count). ``nodes``: each
-        candidate's node, whose store it restores from (``kvindex.stored``)."""
+        queued at each replica, a floor for its in-flight count (``router.queue_lengths``).
+        ``nodes``: each candidate's node, whose store it restores from (``kvindex.stored``)."""
         if isinstance(answer, TableAnswer):
             table = self._added(self._taken(answer.table, replica_ids), queued)
         else:
@@ -116,12 +125,14 @@ class RoutingCore:
             self._same_ids = (id(replica_ids), id(table.ids))
         return taken
 
-    def _added(self, table: ReplicaTable, queued: Mapping[str, int] | None) -> ReplicaTable:
+    def _added(self, table: ReplicaTable, queued: QueueFloors | None) -> ReplicaTable:
         """A table of the index's answer plus this router's unacknowledged bookings, with
         ``queued`` as a floor for in-flight counts (the columns touched only where needed)."""
         local = self.bookings.totals(only_unacknowledged=True)
-        floors = {rid: n for rid, n in (queued or {}).items() if n}
-        if not local and not floors:
+        floors = queued.column(table.ids) if queued is not None else None
+        if floors is not None and not floors.any():
+            floors = None
+        if not local and floors is None:
             return table
         columns = {
             c: table.column(c).copy()
@@ -134,10 +145,8 @@ class RoutingCore:
                 columns["booked_prefill_tokens"][k] += load.prefill_tokens
                 columns["in_flight"][k] += load.in_flight
                 columns["booked_decode_blocks"][k] += load.decode_blocks
-        for rid, n in floors.items():
-            k = where.get(rid)
-            if k is not None:
-                columns["in_flight"][k] = max(columns["in_flight"][k], n)
+        if floors is not None:
+            np.maximum(columns["in_flight"], floors, out=columns["in_flight"])
         return table.with_columns(**columns)
 
     def _states(
@@ -145,7 +154,7 @@ class RoutingCore:
         replica_ids: Sequence[str],
         answer: Mapping[str, ReplicaState] | None,
         block_hashes: Sequence[bytes],
-        queued: Mapping[str, int] | None,
+        queued: QueueFloors | None,
     ) -> list[ReplicaState]:
         """``states`` one replica at a time (an answer from Redis or the simulator's index,
         or none)."""
@@ -153,11 +162,11 @@ class RoutingCore:
         recent = {}
         if answer is None and self.recent is not None:
             recent = self.recent.held(block_hashes)
-        queued = queued or {}
+        floors = [0] * len(replica_ids) if queued is None else queued.column(replica_ids).tolist()
         states = []
-        for rid in replica_ids:
+        for rid, floor in zip(replica_ids, floors, strict=True):
             seen = answer.get(rid) if answer is not None else None
-            if seen is not None and rid not in local and queued.get(rid, 0) <= seen.in_flight:
+            if seen is not None and rid not in local and floor <= seen.in_flight:
                 states.append(seen)  # nothing of this router's to add (most replicas, at scale)
                 continue
             base = seen or ReplicaState(rid, cached_blocks=0 if answer is not None else None)
@@ -169,7 +178,7 @@ class RoutingCore:
             states.append(
                 replace(
                     base,
-                    in_flight=max(load.in_flight, queued.get(rid, 0)),
+                    in_flight=max(load.in_flight, floor),
                     booked_prefill_tokens=load.prefill_tokens,
                     booked_decode_blocks=load.decode_blocks,
                 )

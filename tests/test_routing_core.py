@@ -11,6 +11,7 @@ request's booking feeds the next decision on both sides (Redis and the simulated
 from __future__ import annotations
 
 import asyncio
+import random
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -31,7 +32,8 @@ from kvindex.writer import IndexWriter
 from replica.engine.prefix_cache import CacheEvents
 from router.config import make_policy, routing_config
 from router.core import Decision, RoutingCore
-from router.serve_router import PrefixAwareRequestRouter, queued_requests
+from router.queue_lengths import QueueLengths
+from router.serve_router import PrefixAwareRequestRouter
 
 MODEL = "tiny-llama-6m"
 REPLICAS = ["sim-0000", "sim-0001", "sim-0002"]
@@ -146,28 +148,54 @@ def test_the_serve_router_and_the_simulator_make_the_same_decisions(fresh_redis,
     assert any(b.prefill_tokens < 40 for b in serve.bookings)
 
 
-class PublicOnly:
-    """A queue-length cache read through its public ``get`` alone (as another Ray's)."""
-
-    def __init__(self, cache: ReplicaQueueLengthCache) -> None:
-        self.get = cache.get
-
-
-def test_queue_lengths_read_from_serves_cache_entries_equal_a_get_per_candidate() -> None:
+def test_queue_lengths_read_as_a_column_equal_serves_cache_read_entry_by_entry() -> None:
+    """Random updates, invalidations, removals and time: the column reads what Ray's own
+    cache (same calls, public ``get``) reads, candidate by candidate."""
+    rng = random.Random(5)
     clock = [1000.0]
-    cache = ReplicaQueueLengthCache(staleness_timeout_s=10.0, get_curr_time_s=lambda: clock[0])
+    kwargs = {"staleness_timeout_s": 10.0, "get_curr_time_s": lambda: clock[0]}
+    theirs, ours = ReplicaQueueLengthCache(**kwargs), ReplicaQueueLengthCache(**kwargs)
+    ours = QueueLengths.replacing(ours)
     deployment = DeploymentID(name="EngineReplica", app_name="llm")
-    ids = [ReplicaID(f"r{i}", deployment) for i in range(6)]
-    cache.update(ids[0], 3)  # fresh
-    cache.update(ids[1], 0)  # fresh, nothing queued
-    cache.update(ids[5], 7)  # not a candidate
-    clock[0] += 8.0
-    cache.update(ids[2], 2)
-    cache.update(ids[3], 4)
-    clock[0] += 4.0  # ids[0], ids[1] and ids[5] are now stale (12 s); ids[4] never probed
-    candidates = [FakeReplica(i) for i in ids[:5]]
-    assert queued_requests(PublicOnly(cache), candidates) == {"r2": 2, "r3": 4}  # type: ignore[arg-type]
-    assert queued_requests(cache, candidates) == {"r2": 2, "r3": 4}  # type: ignore[arg-type]
-    clock[0] -= 4.0  # all fresh: the entries' reading may name a non-candidate (r5)
-    assert queued_requests(PublicOnly(cache), candidates) == {"r0": 3, "r2": 2, "r3": 4}  # type: ignore[arg-type]
-    assert queued_requests(cache, candidates) == {"r0": 3, "r2": 2, "r3": 4, "r5": 7}  # type: ignore[arg-type]
+    ids = [ReplicaID(f"r{i}", deployment) for i in range(80)]  # past the first 64 rows
+    candidates = [rid.unique_id for rid in ids[:70]]  # some the cache knows are not listed
+    for step in range(400):
+        replica_id, move, length = rng.choice(ids), rng.random(), rng.randrange(5)
+        active = set(rng.sample(ids, 60))
+        for cache in (theirs, ours):
+            if move < 0.7:
+                cache.update(replica_id, length)
+            elif move < 0.8:
+                cache.invalidate_key(replica_id)
+            elif move < 0.82:
+                cache.remove_inactive_replicas(active_replica_ids=active)
+        clock[0] += rng.choice([0.0, 0.1, 0.5, 3.0])
+        if step % 7 == 0:
+            listed = candidates if step % 2 else list(reversed(candidates))
+            want = [theirs.get(rid) or 0 for rid in ids[:70]]
+            got = dict(zip(listed, ours.column(listed).tolist(), strict=True))
+            assert [got[rid] for rid in candidates] == want, step
+            ours.check()
+    assert any(theirs.get(rid) for rid in ids) and not all(theirs.get(rid) for rid in ids)
+
+
+@pytest.mark.parametrize("busy", REPLICAS)
+def test_the_serve_router_reads_serves_queue_lengths_as_a_column(fresh_redis, busy) -> None:
+    """``initialize_state`` swaps Serve's cache for a ``QueueLengths`` with its entries, and
+    a decision counts them: of three idle replicas the one with requests queued goes last."""
+    deployment = DeploymentID(name="EngineReplica", app_name="llm")
+    serves = ReplicaQueueLengthCache()
+    serves.update(ReplicaID(busy, deployment), 3)
+    router = Unserved.__new__(Unserved)
+    router._replica_queue_len_cache = serves
+    index = IndexConfig(url=fresh_redis.url, cluster="queued")
+    router.initialize_state(
+        routing={"policy": "prefill_cost"}, model_id=MODEL, index=index.model_dump()
+    )
+    cache = router.replica_queue_len_cache
+    assert isinstance(cache, QueueLengths) and cache.get(ReplicaID(busy, deployment)) == 3
+    route, _ = requests()[0]
+    pending = SimpleNamespace(args=[SimpleNamespace(route=route)])
+    candidates = [FakeReplica(FakeId(rid)) for rid in REPLICAS]
+    ranked = asyncio.run(router.choose_replicas(candidates, pending))  # type: ignore[arg-type]
+    assert [rank[0].replica_id.unique_id for rank in ranked][-1] == busy

@@ -20,85 +20,26 @@ from typing import Any
 
 import httpx
 
+from bench.experiments.routing_args import (
+    add_workload_arguments,
+    our_routing,
+    section_name,
+    split_pull,
+    split_store,
+    traces,
+)
 from bench.harness.launcher import ServeCluster, cluster_env
 from bench.harness.private_ray import PrivateRay
 from bench.harness.redis_server import LocalRedis
 from bench.loadgen import drive, progress_printer
-from bench.peers.ray_router import CLASS_PATH as TIMED_RAY_DEFAULT
 from bench.report import combine, slug, summarize, write_report
-from bench.workloads import (
-    WORKLOADS,
-    TraceRequest,
-    WorkloadSpec,
-    fast_engine,
-    load_trace,
-    make_trace,
-    oracle_hit_rate,
-    save_trace,
-)
+from bench.workloads import TraceRequest, fast_engine, oracle_hit_rate, save_trace
 from cluster.config import ClusterArgs
 from kvindex.config import IndexConfig
 from kvindex.pulls import PullConfig
 from kvindex.reader import IndexReader
-from kvindex.stored import StoreConfig
-from replica.checkpoints import TINY_MODEL, checkpoint_for
+from replica.checkpoints import checkpoint_for
 from replica.config import EngineConfig
-from router.config import RayRouting, ServedPolicy, routing_config
-
-POLICIES = ("round_robin", "prefill_cost", "cache_aware", "ray_default", "ray_prefix")
-
-
-def our_routing(policy: str, epsilon: float, knobs: dict[str, Any]) -> ServedPolicy | RayRouting:
-    """The routing section for a policy: ``epsilon`` where the policy has one, ``knobs``
-    (the section's own fields) on top; Ray's default router timed like ours."""
-    fields: dict[str, Any] = {"policy": policy}
-    if policy in ("cache_aware", "prefix_affinity"):
-        fields["epsilon"] = epsilon
-    if policy == "ray_default":
-        fields["router_class"] = TIMED_RAY_DEFAULT
-    return routing_config(**fields, **knobs)
-
-
-def split_store(name: str) -> tuple[str, StoreConfig]:
-    """``prefill_cost+nostore`` -> (``prefill_cost``, the store off); else the default
-    store (on)."""
-    if name.endswith("+nostore"):
-        return name.removesuffix("+nostore"), StoreConfig(enabled=False)
-    return name, StoreConfig()
-
-
-def split_pull(name: str, pull_json: str | None = None) -> tuple[str, PullConfig | None]:
-    """``prefill_cost+pull`` -> (``prefill_cost``, the pull section); else (name, None)."""
-    base, plus, suffix = name.partition("+")
-    if not plus:
-        return name, None
-    if suffix != "pull":
-        raise ValueError(f"{name}: the only suffix is +pull")
-    fields = json.loads(pull_json) if pull_json else {}
-    return base, PullConfig.model_validate({**fields, "enabled": True})
-
-
-def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
-    """Trace options shared with the simulator."""
-    parser.add_argument("--pull", help='the +pull policies\' pull section, e.g. {"min_blocks": 2}')
-    parser.add_argument("--workload", choices=WORKLOADS, default="multi_tenant")
-    parser.add_argument(
-        "--model", default=TINY_MODEL, help="EngineConfig.model (the tiny model is fastest)"
-    )
-    parser.add_argument("--trace", type=Path, help="replay this JSONL trace instead")
-    parser.add_argument("--requests", type=int, default=120)
-    parser.add_argument("--rates", default="4", help="arrival rates per second, comma-separated")
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--tenants", type=int, default=16)
-    parser.add_argument("--zipf", type=float, default=1.1)
-    parser.add_argument("--conversations", type=int, default=8)
-    parser.add_argument("--system-chars", type=int, default=600)
-    parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--replicas", default="2")
-    parser.add_argument("--epsilon", type=float, default=0.25, help="bounded load factor")
-    parser.add_argument(
-        "--num-blocks", type=int, default=256, help="KV blocks per replica (small: contended)"
-    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -110,31 +51,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--knobs", help="RoutingConfig overrides, JSON")
     parser.add_argument("--index", help='IndexConfig overrides, JSON, e.g. {"mirror": false}')
-
-
-def traces(args: argparse.Namespace) -> dict[float, list[TraceRequest]]:
-    """One trace per arrival rate (or the given trace file, at its own times)."""
-    if args.trace is not None:
-        return {0.0: load_trace(args.trace)}
-    return {
-        rate: make_trace(
-            WorkloadSpec(
-                args.workload,
-                num_requests=args.requests,
-                rate=rate,
-                seed=args.seed,
-                system_chars=args.system_chars,
-                tenants=args.tenants,
-                zipf=args.zipf,
-                conversations=args.conversations,
-            )
-        )
-        for rate in (float(r) for r in args.rates.split(","))
-    }
-
-
-def section_name(rate: float) -> str:
-    return "trace file" if rate == 0.0 else f"rate {rate:g}/s"
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.experiments.routing import (
+from bench.experiments.routing_args import (
     add_workload_arguments,
     our_routing,
     section_name,

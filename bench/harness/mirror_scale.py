@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import redis
+from ray.serve._private.common import DeploymentID, ReplicaID
 
 from kvindex.config import IndexConfig
 from kvindex.mirror import IndexMirror
@@ -28,6 +29,7 @@ from kvindex.writer import IndexWriter
 from replica.engine.stats import percentile
 from router.config import make_policy, routing_config
 from router.core import RoutingCore
+from router.queue_lengths import QueueLengths
 
 MODEL = "bench-model"
 
@@ -81,15 +83,21 @@ def _snapshot(config: IndexConfig) -> tuple[IndexMirror, int, float]:
 def _decisions(
     mirror: IndexMirror, rids: list[str], chain: list[bytes], block_size: int, queries: int
 ) -> dict[str, float]:
-    """The mirror's answer, and a whole decision (answer, states, ``prefill_cost``'s rank)."""
+    """The mirror's answer, and a whole decision as Serve's router takes it (answer, Serve's
+    queue lengths, states, ``prefill_cost``'s rank), half the replicas with requests queued
+    in Serve's cache of queue lengths (a busy cluster's: each sent request is counted)."""
     core = RoutingCore(make_policy(routing_config(policy="prefill_cost")))
     request = RoutingRequest("bench", chain, chain[0], len(chain) * block_size + 7, block_size, 64)
+    queued = QueueLengths()
+    deployment = DeploymentID(name="EngineReplica", app_name="bench")
+    for k, rid in enumerate(rids[::2]):
+        queued.update(ReplicaID(rid, deployment), 1 + k % 3)
     answers, decisions = [], []
     for _ in range(max(50, min(queries, 2000))):
         t0 = time.perf_counter()
         answer = mirror.query(chain)
         t1 = time.perf_counter()
-        core.decide(request, core.states(rids, answer, chain))
+        core.decide(request, core.states(rids, answer, chain, queued))
         t2 = time.perf_counter()
         answers.append(t1 - t0)
         decisions.append(t2 - t0)

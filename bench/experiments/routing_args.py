@@ -1,0 +1,96 @@
+"""What the routing experiment on the real cluster and the simulator share: the policies'
+names (``prefill_cost+nostore``, ``+pull``) as configs, and the trace options."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.peers.ray_router import CLASS_PATH as TIMED_RAY_DEFAULT
+from bench.workloads import WORKLOADS, TraceRequest, WorkloadSpec, load_trace, make_trace
+from kvindex.pulls import PullConfig
+from kvindex.stored import StoreConfig
+from replica.checkpoints import TINY_MODEL
+from router.config import RayRouting, ServedPolicy, routing_config
+
+POLICIES = ("round_robin", "prefill_cost", "cache_aware", "ray_default", "ray_prefix")
+
+
+def our_routing(policy: str, epsilon: float, knobs: dict[str, Any]) -> ServedPolicy | RayRouting:
+    """The routing section for a policy: ``epsilon`` where the policy has one, ``knobs``
+    (the section's own fields) on top; Ray's default router timed like ours."""
+    fields: dict[str, Any] = {"policy": policy}
+    if policy in ("cache_aware", "prefix_affinity"):
+        fields["epsilon"] = epsilon
+    if policy == "ray_default":
+        fields["router_class"] = TIMED_RAY_DEFAULT
+    return routing_config(**fields, **knobs)
+
+
+def split_store(name: str) -> tuple[str, StoreConfig]:
+    """``prefill_cost+nostore`` -> (``prefill_cost``, the store off); else the default
+    store (on)."""
+    if name.endswith("+nostore"):
+        return name.removesuffix("+nostore"), StoreConfig(enabled=False)
+    return name, StoreConfig()
+
+
+def split_pull(name: str, pull_json: str | None = None) -> tuple[str, PullConfig | None]:
+    """``prefill_cost+pull`` -> (``prefill_cost``, the pull section); else (name, None)."""
+    base, plus, suffix = name.partition("+")
+    if not plus:
+        return name, None
+    if suffix != "pull":
+        raise ValueError(f"{name}: the only suffix is +pull")
+    fields = json.loads(pull_json) if pull_json else {}
+    return base, PullConfig.model_validate({**fields, "enabled": True})
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """Trace options shared with the simulator."""
+    parser.add_argument("--pull", help='the +pull policies\' pull section, e.g. {"min_blocks": 2}')
+    parser.add_argument("--workload", choices=WORKLOADS, default="multi_tenant")
+    parser.add_argument(
+        "--model", default=TINY_MODEL, help="EngineConfig.model (the tiny model is fastest)"
+    )
+    parser.add_argument("--trace", type=Path, help="replay this JSONL trace instead")
+    parser.add_argument("--requests", type=int, default=120)
+    parser.add_argument("--rates", default="4", help="arrival rates per second, comma-separated")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--tenants", type=int, default=16)
+    parser.add_argument("--zipf", type=float, default=1.1)
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--system-chars", type=int, default=600)
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--replicas", default="2")
+    parser.add_argument("--epsilon", type=float, default=0.25, help="bounded load factor")
+    parser.add_argument(
+        "--num-blocks", type=int, default=256, help="KV blocks per replica (small: contended)"
+    )
+
+
+def traces(args: argparse.Namespace) -> dict[float, list[TraceRequest]]:
+    """One trace per arrival rate (or the given trace file, at its own times)."""
+    if args.trace is not None:
+        return {0.0: load_trace(args.trace)}
+    return {
+        rate: make_trace(
+            WorkloadSpec(
+                args.workload,
+                num_requests=args.requests,
+                rate=rate,
+                seed=args.seed,
+                system_chars=args.system_chars,
+                tenants=args.tenants,
+                zipf=args.zipf,
+                conversations=args.conversations,
+            )
+        )
+        for rate in (float(r) for r in args.rates.split(","))
+    }
+
+
+def section_name(rate: float) -> str:
+    return "trace file" if rate == 0.0 else f"rate {rate:g}/s"
