@@ -21,6 +21,7 @@ from bench.harness.private_ray import PrivateRay
 from bench.harness.redis_server import LocalRedis
 from cluster.config import ClusterArgs
 from kvindex.config import IndexConfig
+from kvindex.pulls import PullConfig
 from kvindex.reader import IndexReader
 from router.config import routing_config
 
@@ -442,12 +443,21 @@ def test_round_robin_alternates(
     # a heartbeat TTL far longer than the test waits, so that only a replica's own
     # deregistration (not expiry and reaping) can take it out of the index below
     patient = IndexConfig(url=redis_server.url, cluster="e2e", heartbeat_ttl_s=60.0)
-    args = cluster_args(redis_server.url, "round_robin").model_copy(update={"index": patient})
+    # with pulls: the second replica pulls the system prompt from the first, and so holds a
+    # Serve handle to its own deployment when it gets SIGTERM below (as bytes through Ray's
+    # object store, the path a replica once ignored SIGTERM on; tests/test_isolation.py
+    # pulls through shared memory)
+    update = {"index": patient, "pull": PullConfig(enabled=True, shared_memory=False)}
+    args = cluster_args(redis_server.url, "round_robin").model_copy(update=update)
     with ServeCluster(args, ray=ray) as rr:
         rr_client = openai.OpenAI(base_url=f"{rr.base_url}/v1", api_key="x", max_retries=0)
         order = [chat(rr_client, SYSTEM, f"Q{i}?")[1] for i in range(6)]
         assert order[0] != order[1]
         assert order == [order[0], order[1]] * 3
+        deadline = time.monotonic() + 10  # its counters, a stats period later
+        while not rr.stats()["replicas"][order[1]].get("pulls"):
+            assert time.monotonic() < deadline, rr.stats()["replicas"]
+            time.sleep(0.2)
         # tenant isolation on one replica: round robin sends requests 1, 3 and 5 of these
         # to the same replica, so tenant-b's miss there is the salt's doing, not placement
         system = "Salted on one replica, a system prompt no one sent before. " * 8
@@ -461,7 +471,8 @@ def test_round_robin_alternates(
         assert b.usage.prompt_tokens_details.cached_tokens == 0
         assert again.usage.prompt_tokens_details.cached_tokens >= 0.8 * len(system)
         # SIGTERM to a replica process (systemd stopping a unit, a pod's termination, `ray
-        # stop`) deregisters it as its interpreter exits, like a graceful shutdown
+        # stop`) deregisters it as its interpreter exits, like a graceful shutdown; one that
+        # pulled too (a replica holding a Serve handle once stayed up: docs/decisions.md)
         old = set(index.live_replicas())
         assert len(old) == 2
         pids = replica_pids(rr)  # this cluster's replicas (from its stats), no one else's
