@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.harness.redis_server import free_port
+from bench.harness.redis_server import free_ports
 
 MARKER = "PREFIX_SERVE_RAY"
 PROC = Path("/proc")
@@ -35,8 +35,8 @@ class PrivateRay:
         self.id = uuid.uuid4().hex[:12]
         # short: Ray's Unix sockets live under it and their paths are capped at 107 bytes
         self.temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
-        self.port = free_port()
-        self.dashboard_port = free_port()
+        # every port chosen at once, so no two are the same
+        self.port, self.dashboard_port, *self._ports = free_ports(5)
         self.log_path = log_path
         self.env = {MARKER: self.id, "RAY_TMPDIR": str(self.temp_dir)}
         self.env["RAY_ADDRESS"] = f"127.0.0.1:{self.port}"
@@ -54,9 +54,9 @@ class PrivateRay:
             "--node-ip-address=127.0.0.1",
             f"--port={self.port}",
             f"--dashboard-port={self.dashboard_port}",
-            f"--dashboard-agent-listen-port={free_port()}",
-            f"--ray-client-server-port={free_port()}",
-            f"--metrics-export-port={free_port()}",
+            f"--dashboard-agent-listen-port={self._ports[0]}",
+            f"--ray-client-server-port={self._ports[1]}",
+            f"--metrics-export-port={self._ports[2]}",
             f"--num-cpus={os.cpu_count() or 1}",
             f"--temp-dir={self.temp_dir}",
             "--disable-usage-stats",
