@@ -53,7 +53,8 @@ def redis_server() -> Iterator[LocalRedis]:
 def ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRay]:
     """One private Ray for the module's clusters, one after another (~7 s of start and
     stop saved per cluster; each ``serve run`` shuts its own application down)."""
-    instance = PrivateRay(tmp_path_factory.mktemp("e2e-ray") / "ray.log").start(cluster_env())
+    log = tmp_path_factory.mktemp("e2e-ray") / "ray.log"
+    instance = PrivateRay(log, dashboard=False).start(cluster_env())
     try:
         yield instance
     finally:

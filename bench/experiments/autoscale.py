@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             engine=fast_engine(TINY_MODEL, num_blocks=640),
             index=IndexConfig(url=redis_server.url, cluster="autoscale"),
         )
-        with ServeCluster(cluster_args) as cluster:
+        with ServeCluster(cluster_args, dashboard=True) as cluster:
             # the experiment's own client: patient, unlike the routers' 250 ms
             patient = cluster_args.index.model_copy(update={"timeout_s": 2.0})
             index = IndexReader(patient, cluster_args.engine.model_id)

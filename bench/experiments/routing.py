@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # one private Ray for every run: each run's ``serve run`` deploys into it and shuts
         # its application down (Serve's replicas, the index's namespace, the node stores are
         # the run's own), and ~7 s of ``ray start`` and stop per run are saved
-        ray = PrivateRay(out / "ray.log")
+        ray = PrivateRay(out / "ray.log", dashboard=False)
         out.mkdir(parents=True, exist_ok=True)
         stack.callback(ray.stop)
         ray.start(cluster_env())

@@ -84,10 +84,12 @@ class ServeCluster:
         repo: Path = REPO,
         app_args: dict[str, Any] | None = None,
         ray: PrivateRay | None = None,
+        dashboard: bool = False,
     ) -> None:
         """``repo`` and ``app_args``: another revision of this project (a worktree) and its
         builder's arguments as written in that revision's schema; ``args`` must then name
-        the same model and index (readiness is read from the index)."""
+        the same model and index (readiness is read from the index). ``dashboard``: its own
+        Ray runs Ray's dashboard (``scale`` and ``dashboard_url`` need it)."""
         self.args = args
         self.ray_address = ray_address
         self.repo = repo
@@ -99,6 +101,7 @@ class ServeCluster:
         self._proc: subprocess.Popen[bytes] | None = None
         self._ray: PrivateRay | None = ray
         self._own_ray = ray is None and ray_address is None
+        self._dashboard = dashboard
 
     def start(self, timeout_s: float = 180.0) -> ServeCluster:
         config = self._dir / "config.yaml"
@@ -111,7 +114,7 @@ class ServeCluster:
             env["RAY_ADDRESS"] = self.ray_address
         else:
             if self._ray is None:
-                self._ray = PrivateRay(self.log_path).start(env)
+                self._ray = PrivateRay(self.log_path, self._dashboard).start(env)
             env.update(self._ray.env)
         serve = Path(sys.executable).with_name("serve")
         with open(self.log_path, "ab") as log:

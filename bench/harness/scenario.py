@@ -44,7 +44,7 @@ class Scenario:
             max_queued_requests=max_queued_requests,
             index=index_config,
         )
-        self.cluster = ServeCluster(self.args).start()
+        self.cluster = ServeCluster(self.args, dashboard=True).start()  # ``scale``
         # the harness's own reads wait longer than a router's 250 ms: on 2 busy cores a
         # timeout here would abort the scenario, not measure it
         watch = self.args.index.model_copy(update={"timeout_s": 2.0, "connect_timeout_s": 2.0})
