@@ -75,7 +75,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ray.start(cluster_env())
         for rate, trace in traces(args).items():
             section = section_name(rate)
-            out.mkdir(parents=True, exist_ok=True)
             save_trace(out / f"trace-{slug(section)}.jsonl", trace)
             oracle = oracle_hit_rate(trace, hasher, tokenizer)
             payload["oracle"][section] = oracle

@@ -223,6 +223,10 @@ class ServeCluster:
     def dashboard_url(self) -> str:
         """This cluster's Ray dashboard (its own Ray's, or read from ``serve run``'s log)."""
         if self._ray is not None:
+            if not self._ray.dashboard:  # ``scale`` would fail later with a connection error
+                raise RuntimeError(
+                    "this cluster's Ray has no dashboard: ServeCluster(dashboard=True)"
+                )
             return self._ray.dashboard_url
         for line in self.log_path.read_text(errors="replace").splitlines():
             if "dashboard at" in line.lower() and "http" in line:
