@@ -12,8 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kvindex.config import IndexConfig
 from kvindex.pulls import PullConfig
 from kvindex.stored import StoreConfig
-from replica.config import EngineConfig
-from replica.deployment import ReplicaArgs
+from replica.config import EngineConfig, ReplicaArgs
 from router.config import PrefillCostRouting, RoutingConfig
 
 

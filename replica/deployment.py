@@ -18,25 +18,20 @@ import os
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
-from pydantic import BaseModel, ConfigDict
 from ray import serve
 
-from kvindex.config import IndexConfig
-from kvindex.pulls import PullConfig
-from kvindex.stored import StoreConfig
 from kvindex.writer import IndexWriter
-from replica.config import EngineConfig
-from replica.engine import Engine
-from replica.engine.transfer import PrefixExport, export_prefix
+from replica.config import EngineConfig, ReplicaArgs
 from replica.messages import EngineRequest, PullRequest, RequestOutput
 from replica.publisher import IndexPublisher
-from replica.pull import Puller
-from replica.store.build import build_tier
 from replica.store.files import publisher_lock_path
 from replica.store_publisher import StorePublisher
+
+if TYPE_CHECKING:
+    from replica.engine.transfer import PrefixExport
 
 log = logging.getLogger("ray.serve")
 
@@ -50,17 +45,6 @@ def _rss_mb() -> float | None:
         return None
 
 
-class ReplicaArgs(BaseModel):
-    """What one engine replica is built from: its engine and the index it publishes to."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    engine: EngineConfig = EngineConfig()
-    index: IndexConfig = IndexConfig()
-    pull: PullConfig = PullConfig()
-    store: StoreConfig = StoreConfig()
-
-
 class EngineFailedError(RuntimeError):
     """The engine loop crashed; the replica reports unhealthy and Serve replaces it."""
 
@@ -68,6 +52,11 @@ class EngineFailedError(RuntimeError):
 @serve.deployment(max_ongoing_requests=32)
 class EngineReplica:
     def __init__(self, args: dict[str, Any] | ReplicaArgs) -> None:
+        # torch and the engine load here, in the replica, not where this module is imported
+        # to build the app (``cluster.app``, in a worker of its own at every deploy)
+        from replica.engine import Engine
+        from replica.pull import Puller
+
         self.args = ReplicaArgs.model_validate(args)
         self.engine = Engine(_engine_config(self.args))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -102,6 +91,8 @@ class EngineReplica:
     def _attach_store(self) -> None:
         """The node's store as the engine's second tier, and its index entry published by
         one replica of the node (``replica.store_publisher``)."""
+        from replica.store.build import build_tier
+
         tier = build_tier(self.engine, self.args.store, self.args.index)
         if tier is None:
             return
@@ -163,6 +154,8 @@ class EngineReplica:
     async def export_prefix(self, request: PullRequest) -> PrefixExport:
         """This replica's verified cached prefix of another replica's prompt (between steps,
         on the engine's thread)."""
+        from replica.engine.transfer import export_prefix
+
         by_reference = request.node_id == self.node_id and self.args.pull.shared_memory
         return await self._on_engine(
             export_prefix,

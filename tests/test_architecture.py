@@ -9,6 +9,8 @@ them, and nothing uses it. Rooms stay small: no folder holds more than 12 module
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -124,3 +126,24 @@ def test_functions_and_files_stay_short(module: str, path: Path) -> None:
         assert LONG_FILE_MARK in (ast.get_docstring(tree) or ""), (
             f"{module} has over {MAX_FILE_LINES} lines; split it or say why at its top"
         )
+
+
+def test_building_the_app_and_a_tiny_ingress_load_no_torch() -> None:
+    """Every deploy imports ``cluster.app`` in a Ray worker of its own to build the app, and
+    an ingress imports ``cluster.ingress``: neither needs torch (~2-3 s of import on 2
+    cores, ~190 MB in the ingress), which loads in the engine replicas only. A real model's
+    ingress still loads it: transformers' tokenizer imports it."""
+    script = (
+        "import sys\n"
+        "import cluster.app, cluster.ingress\n"
+        "from cluster.config import ClusterArgs\n"
+        "from replica.checkpoints import checkpoint_for\n"
+        "args = ClusterArgs.model_validate({'engine': {'model': 'tiny-llama-6m'}})\n"
+        "checkpoint_for(args.engine.model).tokenizer().encode('hello')\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout

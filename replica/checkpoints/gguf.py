@@ -14,16 +14,18 @@ import functools
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from replica.checkpoints import Checkpoint, CheckpointError
 from replica.checkpoints.gguf_file import GGUFFile
 from replica.checkpoints.tokenizer import END_TOKENS, HFTokenizer, Tokenizer
 from replica.checkpoints.tokenizer_cache import tokenizer_folder
 from replica.model.shape import ModelShape
+
+if TYPE_CHECKING:  # torch loads with the weights, not with a tokenizer (the ingress's)
+    import torch
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -75,6 +77,7 @@ class GGUFCheckpoint(Checkpoint):
         return self._shape
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        import torch
         from gguf.constants import GGMLQuantizationType
         from gguf.quants import dequantize
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from replica.checkpoints import Checkpoint, CheckpointError
 from replica.checkpoints.tokenizer import END_TOKENS, HFTokenizer, Tokenizer
 from replica.model.shape import ModelShape
+
+if TYPE_CHECKING:  # torch loads with the weights, not with a tokenizer (the ingress's)
+    import torch
 
 
 class HFFolderCheckpoint(Checkpoint):
