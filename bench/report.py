@@ -79,8 +79,11 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if isinstance(value, int | float) and not isinstance(value, bool):
             values = [r[key] for r in ok if isinstance(r.get(key), int | float)]
             merged[key] = statistics.median(values) if values else value
-    merged["ttft_samples"] = sorted(t for r in ok for t in r.get("ttft_samples", []))
+    merged["ttft_samples"] = pooled = sorted(t for r in ok for t in r.get("ttft_samples", []))
     merged["runs"] = len(ok)
+    if len(ok) > 1 and pooled:  # one p99 of every run's requests, not a median of p99s
+        for q in (50, 90, 99):
+            merged[f"ttft_pooled_p{q}_s"] = percentile(pooled, q)
     merged["spread"] = {
         key: [min(r[key] for r in ok), max(r[key] for r in ok)]
         for key in SPREAD
@@ -100,6 +103,7 @@ _COLUMNS = [
     ("TTFT p50 s", "ttft_p50_s"),
     ("TTFT p90 s", "ttft_p90_s"),
     ("TTFT p99 s", "ttft_p99_s"),
+    ("pooled p99 s", "ttft_pooled_p99_s"),
     ("ITL p50 s", "itl_p50_s"),
     ("out tok/s", "output_tokens_per_s"),
     ("req/replica", "requests_per_replica"),
@@ -140,9 +144,10 @@ def write_report(out: Path, payload: dict[str, Any]) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     plot(out, payload)
     slim = json.loads(json.dumps(payload, default=str))
-    for runs in slim["runs"].values():
-        for m in runs.values():
-            m.pop("ttft_samples", None)
+    samples = {}  # every request's TTFT, for whoever compares runs after
+    for section, runs in slim["runs"].items():
+        samples[section] = {p: m.pop("ttft_samples", None) for p, m in runs.items()}
+    (out / "ttft_samples.json").write_text(json.dumps(samples) + "\n")
     (out / "results.json").write_text(json.dumps(slim, indent=2) + "\n")
     (out / "results.md").write_text(markdown(payload) + "\n")
     return slim

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.harness.redis_server import LocalRedis
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,3 +90,31 @@ def test_store_benchmark_restores_what_another_engine_computed() -> None:
         assert set(result[key]) == {"median", "min", "max"}
     decode = run_experiment("store", "--where", "decode", "--repeats", "2", "--requests", "4")
     assert decode["spilled_blocks"] > 0 and set(decode["decode_step_p99_s"]) == {"on", "off"}
+
+
+def test_a_policys_suffix_turns_the_routers_mirror_on_or_off() -> None:
+    import argparse
+
+    from bench.experiments.routing import _index_config
+    from bench.experiments.routing_args import split_mirror
+
+    assert split_mirror("prefill_cost+pull+mirror") == ("prefill_cost+pull", True)
+    assert split_mirror("prefill_cost+nomirror") == ("prefill_cost", False)
+    assert split_mirror("prefill_cost") == ("prefill_cost", None)
+    args = argparse.Namespace(index='{"mirror": true, "timeout_s": 0.5}')
+    assert not _index_config(args, "redis://x:1/0", "ns", False).mirror  # the suffix wins
+    assert _index_config(args, "redis://x:1/0", "ns", None).mirror
+    assert _index_config(args, "redis://x:1/0", "ns", None).timeout_s == 0.5
+
+
+def test_repeated_runs_report_one_p99_of_all_their_requests() -> None:
+    from bench.report import combine
+
+    fast = {"ttft_p99_s": 0.1, "ttft_samples": [0.1] * 99 + [0.1]}
+    slow = {"ttft_p99_s": 0.2, "ttft_samples": [0.1] * 90 + [2.0] * 10}
+    merged = combine([fast, slow])
+    assert merged["ttft_p99_s"] == pytest.approx(
+        0.15
+    )  # the median of the runs' p99s hides the slow tail
+    assert merged["ttft_pooled_p99_s"] == 2.0  # 10 of 200 requests took 2 s
+    assert merged["ttft_pooled_p50_s"] == 0.1 and merged["runs"] == 2

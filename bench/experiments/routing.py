@@ -24,6 +24,7 @@ from bench.experiments.routing_args import (
     add_workload_arguments,
     our_routing,
     section_name,
+    split_mirror,
     split_pull,
     split_store,
     traces,
@@ -108,7 +109,8 @@ def run_policy(
 ) -> dict[str, Any]:
     namespace = f"exp-{os.getpid()}-{time.monotonic_ns()}"
     knobs = json.loads(args.knobs) if args.knobs else {}
-    name, store = split_store(policy)
+    name, mirror = split_mirror(policy)
+    name, store = split_store(name)
     name, pull = split_pull(name, args.pull)
     cluster_args = ClusterArgs(
         num_replicas=int(args.replicas),
@@ -116,7 +118,7 @@ def run_policy(
         engine=engine,
         max_queued_requests=-1,  # an experiment measures queueing; it does not shed
         routing=our_routing(name, args.epsilon, knobs),
-        index=_index_config(args, redis_url, namespace),
+        index=_index_config(args, redis_url, namespace, mirror),
         pull=pull or PullConfig(),
         store=store,
     )
@@ -172,9 +174,14 @@ def _router_metrics(stats: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _index_config(args: argparse.Namespace, url: str, namespace: str) -> IndexConfig:
-    """The run's own namespace on the experiment's Redis, with ``--index`` overrides."""
+def _index_config(
+    args: argparse.Namespace, url: str, namespace: str, mirror: bool | None = None
+) -> IndexConfig:
+    """The run's own namespace on the experiment's Redis, with ``--index`` overrides (and
+    the policy's ``+mirror`` or ``+nomirror`` over those)."""
     overrides = json.loads(args.index) if args.index else {}
+    if mirror is not None:
+        overrides["mirror"] = mirror
     return IndexConfig(url=url, cluster=namespace, **overrides)
 
 

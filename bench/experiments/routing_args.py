@@ -1,5 +1,5 @@
 """What the routing experiment on the real cluster and the simulator share: the policies'
-names (``prefill_cost+nostore``, ``+pull``) as configs, and the trace options."""
+names (``prefill_cost+nostore``, ``+pull``, ``+mirror``) as configs, and the trace options."""
 
 from __future__ import annotations
 
@@ -27,6 +27,16 @@ def our_routing(policy: str, epsilon: float, knobs: dict[str, Any]) -> ServedPol
     if policy == "ray_default":
         fields["router_class"] = TIMED_RAY_DEFAULT
     return routing_config(**fields, **knobs)
+
+
+def split_mirror(name: str) -> tuple[str, bool | None]:
+    """``prefill_cost+mirror`` (``+nomirror``) -> (``prefill_cost``, the routers' mirror of
+    the index on (off)); else (name, None): ``--index`` or the default decides. Named per
+    policy so one ``--repeats`` run alternates the two (ABBA) on one trace."""
+    for suffix, mirror in (("+mirror", True), ("+nomirror", False)):
+        if name.endswith(suffix):
+            return name.removesuffix(suffix), mirror
+    return name, None
 
 
 def split_store(name: str) -> tuple[str, StoreConfig]:

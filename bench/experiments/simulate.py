@@ -25,6 +25,7 @@ from bench.experiments.routing_args import (
     add_workload_arguments,
     our_routing,
     section_name,
+    split_mirror,
     split_pull,
     split_store,
     traces,
@@ -150,7 +151,10 @@ def _simulate(
     cost: CostModel,
     trace: list[TraceRequest],
 ) -> dict[str, Any]:
-    name, stored = split_store(policy)
+    name, mirror = split_mirror(policy)
+    if mirror is not None:
+        return {"error": "not simulated: the simulator's index answers at once, mirror or not"}
+    name, stored = split_store(name)
     name, pull = split_pull(name, args.pull)
     if name not in SIMULATED:
         return {"error": "not simulated: Ray's own routers run only on the real cluster"}
