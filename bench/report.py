@@ -62,6 +62,10 @@ def summarize(
         "load_imbalance": max(counts) / mean if mean else None,
         "work_imbalance": max(works) / mean_work if mean_work else None,
         "ttft_samples": sorted(ttft),
+        "requests": [  # every request, for whoever compares runs after (``requests.json``)
+            [r.request_id, r.replica, r.status, r.ttft_s, r.prompt_tokens, r.cached_tokens]
+            for r in results
+        ],
     }
 
 
@@ -80,6 +84,7 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
             values = [r[key] for r in ok if isinstance(r.get(key), int | float)]
             merged[key] = statistics.median(values) if values else value
     merged["ttft_samples"] = pooled = sorted(t for r in ok for t in r.get("ttft_samples", []))
+    merged["requests_by_run"] = [r.get("requests", []) for r in ok]
     merged["runs"] = len(ok)
     if len(ok) > 1 and pooled:  # one p99 of every run's requests, not a median of p99s
         for q in (50, 90, 99):
@@ -139,15 +144,20 @@ def markdown(payload: dict[str, Any]) -> str:
 
 
 def write_report(out: Path, payload: dict[str, Any]) -> dict[str, Any]:
-    """``results.json`` (without raw samples), ``results.md`` and the plots; returns what
-    ``results.json`` holds."""
+    """``results.json`` (without raw samples), ``requests.json`` (each run's requests: id,
+    replica, status, TTFT, prompt and cached tokens), ``results.md`` and the plots; returns
+    what ``results.json`` holds."""
     out.mkdir(parents=True, exist_ok=True)
     plot(out, payload)
     slim = json.loads(json.dumps(payload, default=str))
-    samples = {}  # every request's TTFT, for whoever compares runs after
+    requests: dict[str, dict[str, Any]] = {}  # each run's requests (``summarize``'s rows)
     for section, runs in slim["runs"].items():
-        samples[section] = {p: m.pop("ttft_samples", None) for p, m in runs.items()}
-    (out / "ttft_samples.json").write_text(json.dumps(samples) + "\n")
+        requests[section] = {}
+        for policy, m in runs.items():
+            m.pop("ttft_samples", None)
+            rows = m.pop("requests", None) or []
+            requests[section][policy] = m.pop("requests_by_run", None) or [rows]
+    (out / "requests.json").write_text(json.dumps(requests) + "\n")
     (out / "results.json").write_text(json.dumps(slim, indent=2) + "\n")
     (out / "results.md").write_text(markdown(payload) + "\n")
     return slim

@@ -118,3 +118,4 @@ def test_repeated_runs_report_one_p99_of_all_their_requests() -> None:
     )  # the median of the runs' p99s hides the slow tail
     assert merged["ttft_pooled_p99_s"] == 2.0  # 10 of 200 requests took 2 s
     assert merged["ttft_pooled_p50_s"] == 0.1 and merged["runs"] == 2
+    assert merged["requests_by_run"] == [[], []]

@@ -71,6 +71,6 @@ def test_simulated_hit_rates_match_the_real_cluster(tmp_path: Path, redis_server
         "ttft_cdf_rate_4_s.png",
         "hit_rate_rate_4_s.png",
         "load_rate_4_s.png",
-        "ttft_samples.json",
+        "requests.json",
     ):
         assert (tmp_path / "real" / name).exists()

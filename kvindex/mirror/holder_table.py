@@ -9,8 +9,11 @@ million blocks) costs at most a routing guess, never a wrong token.
 Layout: ``keys`` (uint64) and ``holder`` (int16) in parallel arrays, any length (so it grows
 by a quarter, not double: 10 bytes a cell at 60-75% full). A key lives in one of the
 ``WINDOW`` cells from its home cell on (else in ``overflow``, a plain dict), so a lookup
-reads one window and a deletion just empties its cell (no tombstones). ``holder`` is the one
-holder's slot, or ``SHARED``: then ``shared[key]`` is the holders' bitmask (two or more).
+reads one window and a deletion just empties its cell (no tombstones): ``kvindex.mirror.
+cells``. ``holder`` is the one holder's slot, or ``SHARED``: then ``shared[key]`` is the
+holders' bitmask (two or more). Changes of up to ``FEW`` keys (a replica's event names a
+few blocks) run one key at a time in plain Python: numpy calls sized for a snapshot's
+thousands cost ~0.15 ms for one key.
 
 Invariants (``check``): every key is in its window or in ``overflow``, never both, never
 twice; a ``shared`` mask has two bits or more and its cell says ``SHARED``; ``count[s]`` is
@@ -23,13 +26,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-WINDOW = 16
+from kvindex.mirror.cells import WINDOW, cells_holding, cells_of, place
+
 SHARED = -1
 MAX_LOAD = 0.75
-CHUNK = 1 << 16  # keys placed at once
 GROWTH = 1.25  # a full table grows by a quarter: 60-75% of its cells hold keys
 RESERVED_LOAD = 0.7  # how full ``reserve`` leaves the table
-_OFFSETS = np.arange(WINDOW, dtype=np.uint64)
+FEW = 8  # keys an ``add`` or ``remove`` applies one at a time, in plain Python
 
 
 def block_keys(blocks: Sequence[bytes]) -> np.ndarray:
@@ -65,23 +68,6 @@ class HolderTable:
 
     # --- lookups ---
 
-    def _cells(self, keys: np.ndarray) -> np.ndarray:
-        """Each key's cell, or -1 where it is not in a cell. Most keys sit in their home
-        cell (the first of the window): one gather finds those, a window only the rest."""
-        if keys.size == 0:
-            return np.zeros(0, np.int64)
-        home = ((keys >> np.uint64(1)) % self.cap).astype(np.int64)
-        away = np.flatnonzero(self.keys[home] != keys)
-        if away.size:
-            home[away] = self._window_cells(keys[away])
-        return home
-
-    def _window_cells(self, keys: np.ndarray) -> np.ndarray:
-        window = self._windows(keys)
-        hit = self.keys[window] == keys[:, None]
-        cells = window[np.arange(keys.size), hit.argmax(axis=1)].astype(np.int64)
-        return np.where(hit.any(axis=1), cells, -1)
-
     def holders_of(self, key: int) -> set[int]:
         """The slots holding one key."""
         mask = self._mask(key, self._holders(np.array([key], np.uint64))[0])
@@ -89,7 +75,7 @@ class HolderTable:
 
     def _holders(self, keys: np.ndarray) -> list[int]:
         """Each key's cell's holder (a slot or ``SHARED``), -2 where it is in no cell."""
-        cells = self._cells(keys)
+        cells = cells_of(self.keys, keys)
         return np.where(cells >= 0, self.holder[cells], -2).tolist()
 
     def _mask(self, key: int, holder: int) -> int:
@@ -128,8 +114,12 @@ class HolderTable:
     def add(self, slot: int, keys: np.ndarray) -> None:
         """``slot`` holds ``keys`` (some it may hold already)."""
         self.ensure_slot(slot)
+        if keys.size <= FEW:
+            for key in dict.fromkeys(keys.tolist()):
+                self._add_one(slot, key)
+            return
         keys = np.unique(keys)
-        cells = self._cells(keys)
+        cells = cells_of(self.keys, keys)
         found = cells >= 0
         mine = found & (self.holder[np.maximum(cells, 0)] == slot)
         others = found & ~mine
@@ -142,6 +132,24 @@ class HolderTable:
         for key in rest[in_overflow].tolist():
             self.overflow[key] = self._joined(key, self.overflow[key], slot)
         self._insert(rest[~in_overflow], slot)
+
+    def _add_one(self, slot: int, key: int) -> None:
+        """``add`` for one key, in plain Python (see the module)."""
+        cells = cells_holding(self.keys, key, key)
+        if cells:
+            self.holder[cells[0]] = self._joined(key, int(self.holder[cells[0]]), slot)
+        elif key in self.overflow:
+            self.overflow[key] = self._joined(key, self.overflow[key], slot)
+        else:
+            if self.used + 1 > MAX_LOAD * self.keys.size:
+                self._rebuild(int(GROWTH * self.keys.size), 1)
+            self.count[slot] += 1
+            free = cells_holding(self.keys, key, 0)
+            if not free:
+                self.overflow[key] = slot
+            else:
+                self.keys[free[0]], self.holder[free[0]] = key, slot
+                self.used += 1
 
     def _joined(self, key: int, holder: int, slot: int) -> int:
         """A key's holder once ``slot`` joins (counted if it is new)."""
@@ -165,40 +173,10 @@ class HolderTable:
         self._place(keys, np.full(keys.size, slot, np.int16))
 
     def _place(self, keys: np.ndarray, holders: np.ndarray) -> None:
-        """Put new keys in free cells of their windows (the overflow where none is free),
-        ``CHUNK`` at a time (a window is 16 cells: a big batch's would not fit memory)."""
-        for first in range(0, keys.size, CHUNK):
-            self._place_chunk(keys[first : first + CHUNK], holders[first : first + CHUNK])
-
-    def _windows(self, keys: np.ndarray) -> np.ndarray:
-        """Each key's window of cells (one modulo per key, not per cell)."""
-        window = ((keys >> np.uint64(1)) % self.cap)[:, None] + _OFFSETS
-        return np.where(window >= self.cap, window - self.cap, window)
-
-    def _place_chunk(self, keys: np.ndarray, holders: np.ndarray) -> None:
-        home = (keys >> np.uint64(1)) % self.cap  # first, each key at its home if it is free
-        free_home = np.flatnonzero(self.keys[home] == 0)
-        cells, taken = np.unique(home[free_home], return_index=True)
-        taken = free_home[taken]
-        self.keys[cells], self.holder[cells] = keys[taken], holders[taken]
-        self.used += cells.size
-        left = np.ones(keys.size, bool)
-        left[taken] = False
-        keys, holders = keys[left], holders[left]
-        while keys.size:
-            window = self._windows(keys)
-            free = self.keys[window] == 0
-            room = free.any(axis=1)
-            for key, holder in zip(keys[~room].tolist(), holders[~room].tolist(), strict=True):
-                self.overflow[key] = holder
-            keys, holders, window, free = keys[room], holders[room], window[room], free[room]
-            first = window[np.arange(keys.size), free.argmax(axis=1)]
-            cells, taken = np.unique(first, return_index=True)  # one key per cell a round
-            self.keys[cells], self.holder[cells] = keys[taken], holders[taken]
-            self.used += cells.size
-            left = np.ones(keys.size, bool)
-            left[taken] = False
-            keys, holders = keys[left], holders[left]
+        """New keys into free cells of their windows, the overflow where none is free."""
+        placed, overflow = place(self.keys, self.holder, keys, holders)
+        self.used += placed
+        self.overflow.update(overflow)
 
     def reserve(self, more: int) -> None:
         """Room for ``more`` new keys without growing meanwhile (a snapshot knows how many
@@ -209,8 +187,12 @@ class HolderTable:
     def remove(self, slot: int, keys: np.ndarray) -> None:
         """``slot`` no longer holds ``keys`` (those it does not hold are ignored)."""
         self.ensure_slot(slot)
+        if keys.size <= FEW:
+            for key in dict.fromkeys(keys.tolist()):
+                self._remove_one(slot, key)
+            return
         keys = np.unique(keys)
-        cells = self._cells(keys)
+        cells = cells_of(self.keys, keys)
         found = cells >= 0
         holder = self.holder[np.maximum(cells, 0)]
         alone = found & (holder == slot)
@@ -221,6 +203,25 @@ class HolderTable:
         for key, cell in zip(keys[shared].tolist(), cells[shared].tolist(), strict=True):
             self.holder[cell] = self._left(key, slot)
         for key in [k for k in keys[~found].tolist() if k in self.overflow]:
+            holder = self.overflow[key]
+            if holder == slot:
+                del self.overflow[key]
+                self.count[slot] -= 1
+            elif holder == SHARED:
+                self.overflow[key] = self._left(key, slot)
+
+    def _remove_one(self, slot: int, key: int) -> None:
+        """``remove`` for one key in plain Python (see ``_add_one``)."""
+        cells = cells_holding(self.keys, key, key)
+        if cells:
+            cell, holder = cells[0], int(self.holder[cells[0]])
+            if holder == slot:
+                self.keys[cell] = 0
+                self.used -= 1
+                self.count[slot] -= 1
+            elif holder == SHARED:
+                self.holder[cell] = self._left(key, slot)
+        elif key in self.overflow:
             holder = self.overflow[key]
             if holder == slot:
                 del self.overflow[key]
