@@ -194,7 +194,10 @@ class ReplicaTable(Sequence[ReplicaState]):
         where = self.positions
         pos = np.array([where.get(rid, -1) for rid in ids], np.int64)
         have = pos >= 0
-        columns = {c: np.where(have, self.column(c)[np.maximum(pos, 0)], 0) for c in COLUMNS}
+        if not have.any():  # none known (an empty table has no row to gather from)
+            columns = {c: np.zeros(len(ids), self.column(c).dtype) for c in COLUMNS}
+        else:
+            columns = {c: np.where(have, self.column(c)[np.maximum(pos, 0)], 0) for c in COLUMNS}
         hashes = None
         if self.id_hashes is not None and have.all():
             hashes = self.id_hashes[pos]

@@ -19,6 +19,10 @@ DECISION_SECONDS = Histogram(
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25),
 )
 INDEX_ANSWERS = Counter("prefix_serve_index_answers", "Index queries by outcome", ["outcome"])
+ROUTING_ERRORS = Counter(
+    "prefix_serve_routing_errors",
+    "Decisions that raised (a defect): the request went to any replica instead of waiting",
+)
 # with index.mirror (set at collection, from the router's mirror: router.serve_router)
 MIRROR_SYNCED = Gauge(
     "prefix_serve_index_mirror_synced", "1 while this router's mirror of the index answers"
@@ -67,6 +71,7 @@ class RouterStats:
         self.policy = policy
         self.routed: dict[str, int] = {}
         self.decision_s: deque[float] = deque(maxlen=10_000)
+        self.errors = 0  # decisions that raised (``prefix_serve_routing_errors``)
         self._reasons: OrderedDict[str, str] = OrderedDict()
 
     def record_decision(self, request_id: str, seconds: float, reason: str) -> None:
@@ -96,6 +101,7 @@ class RouterStats:
             "replicas": {rid: dict(values) for rid, values in replica_stats.items()},
             "decision_p50_s": _percentile(self.decision_s, 50),
             "decision_p99_s": _percentile(self.decision_s, 99),
+            "routing_errors": self.errors,
         }
 
 

@@ -25,7 +25,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -43,6 +42,7 @@ from router.config import ServedPolicy, make_policy, routing_config
 from router.core import Decision, RoutingCore
 from router.queue_lengths import QueueLengths
 from router.recent_routes import RecentRoutes
+from router.serve_ranking import Ranked, pull_target, routing_request
 
 log = logging.getLogger("ray.serve")
 
@@ -99,12 +99,26 @@ class PrefixAwareRequestRouter(RequestRouter):
         self.loop = asyncio.get_running_loop()  # where the ingress's calls must run
         if not candidate_replicas:
             return []
-        target = _pull_target(pending_request)
+        target = pull_target(pending_request)
         if target is not None:  # a replica pulling a prefix: that holder, or none (it waits)
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
-        request = _routing_request(pending_request)
+        request = routing_request(pending_request)
         if request is None:  # not an EngineRequest (e.g. a health probe): any replica
             return [candidate_replicas]
+        try:
+            return await self._ranked(candidate_replicas, request)
+        except Exception:  # a defect here must not hang the request: Serve would retry it
+            # forever; it goes to any replica, and the defect is logged and counted
+            routing_stats.ROUTING_ERRORS.inc()
+            self.stats.errors += 1
+            log.exception("routing %s failed; any replica serves it", request.request_id)
+            return [candidate_replicas]
+
+    async def _ranked(
+        self, candidate_replicas: list[RunningReplica], request: RoutingRequest
+    ) -> list[list[RunningReplica]]:
+        """``choose_replicas`` for an engine request: the index's answer, the core's
+        ranking, the decision kept until Serve says where the request went."""
         start = time.perf_counter()
         by_id, ids = self._candidates(candidate_replicas)
         answer = await self._answer(request) if self.core.policy.uses_index else None
@@ -119,7 +133,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self.stats.record_decision(
             request.request_id, time.perf_counter() - start, self.core.policy.explain()
         )
-        return _Ranked(decision.ranking, by_id)  # type: ignore[return-value]
+        return Ranked(decision.ranking, by_id)  # type: ignore[return-value]
 
     def _candidates(
         self, candidates: list[RunningReplica]
@@ -139,7 +153,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         super().on_request_routed(pending_request, replica_id, result)
         rid = replica_id.unique_id
         self.stats.record_routed(rid)
-        request = _routing_request(pending_request)
+        request = routing_request(pending_request)
         decision = self._decisions.pop(request.request_id, None) if request else None
         if decision is None:
             return
@@ -261,39 +275,3 @@ class PrefixAwareRequestRouter(RequestRouter):
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-
-class _Ranked(Sequence[list[RunningReplica]]):
-    """A ranking as Serve takes it, one replica per rank, built only as far as Serve reads
-    (it tries the ranks in order and stops at the first with room)."""
-
-    def __init__(self, ranking: Sequence[str], by_id: dict[str, RunningReplica]) -> None:
-        self.ranking, self.by_id = ranking, by_id
-
-    def __len__(self) -> int:
-        return len(self.ranking)
-
-    def __getitem__(self, i: Any) -> Any:
-        if isinstance(i, slice):
-            return [[self.by_id[rid]] for rid in self.ranking[i]]
-        return [self.by_id[self.ranking[i]]]
-
-    def __iter__(self) -> Iterator[list[RunningReplica]]:
-        for rid in self.ranking:
-            yield [self.by_id[rid]]
-
-
-def _pull_target(pending: PendingRequest | None) -> str | None:
-    """The holder a ``PullRequest`` names (None for anything else)."""
-    if pending is None or not pending.args:
-        return None
-    target = getattr(pending.args[0], "target_replica_id", None)
-    return target if isinstance(target, str) else None
-
-
-def _routing_request(pending: PendingRequest | None) -> RoutingRequest | None:
-    """The ``RoutingRequest`` an ``EngineRequest`` carries (None for anything else)."""
-    if pending is None or not pending.args:
-        return None
-    route = getattr(pending.args[0], "route", None)
-    return route if isinstance(route, RoutingRequest) else None

@@ -27,9 +27,10 @@ from bench.sim.simulator import Simulation, _Pending
 from bench.workloads import TraceRequest
 from kvindex.config import IndexConfig
 from kvindex.hashing import BlockHasher
-from kvindex.records import Booking, RoutingRequest
+from kvindex.records import Booking, ReplicaTable, RoutingRequest, TableAnswer
 from kvindex.writer import IndexWriter
 from replica.engine.prefix_cache import CacheEvents
+from router import routing_stats
 from router.config import make_policy, routing_config
 from router.core import Decision, RoutingCore
 from router.queue_lengths import QueueLengths
@@ -199,3 +200,39 @@ def test_the_serve_router_reads_serves_queue_lengths_as_a_column(fresh_redis, bu
     candidates = [FakeReplica(FakeId(rid)) for rid in REPLICAS]
     ranked = asyncio.run(router.choose_replicas(candidates, pending))  # type: ignore[arg-type]
     assert [rank[0].replica_id.unique_id for rank in ranked][-1] == busy
+
+
+def test_a_mirror_that_knows_no_replica_yet_answers_zeros_for_each_candidate() -> None:
+    """A mirror synced before any replica registered answers an empty table; Serve's
+    candidates are then all unknown (zeros), not an IndexError in ``take`` that left the
+    request waiting for a replica forever (seen on a cluster's first request)."""
+    empty = ReplicaTable.of([])
+    taken = empty.take(REPLICAS)
+    assert taken.ids == REPLICAS and not taken.column("cached_blocks").any()
+    core = RoutingCore(make_policy(routing_config(policy="prefill_cost")))
+    route, _ = requests()[0]
+    states = core.states(REPLICAS, TableAnswer(empty), route.block_hashes)
+    assert sorted(core.decide(route, states).ranking) == REPLICAS
+
+
+def test_a_decision_that_raises_sends_the_request_to_any_replica(fresh_redis) -> None:
+    """A defect in a decision is logged and counted, and the request goes to any replica:
+    Serve would otherwise call ``choose_replicas`` again and again, the request stuck."""
+    router = Unserved.__new__(Unserved)
+    index = IndexConfig(url=fresh_redis.url, cluster="raises")
+    router.initialize_state(
+        routing={"policy": "prefill_cost"}, model_id=MODEL, index=index.model_dump()
+    )
+
+    def broken(*args: Any) -> Decision:
+        raise IndexError("a defect")
+
+    router.core.decide = broken  # type: ignore[method-assign]
+    route, _ = requests()[0]
+    pending = SimpleNamespace(args=[SimpleNamespace(route=route)])
+    candidates = [FakeReplica(FakeId(rid)) for rid in REPLICAS]
+    before = routing_stats.ROUTING_ERRORS._value.get()
+    ranked = asyncio.run(router.choose_replicas(candidates, pending))  # type: ignore[arg-type]
+    assert ranked == [candidates]
+    assert routing_stats.ROUTING_ERRORS._value.get() == before + 1
+    assert router.stats.snapshot({})["routing_errors"] == 1

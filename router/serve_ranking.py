@@ -1,0 +1,47 @@
+"""What Serve's side of routing (``router.serve_router``) reads from a request Serve hands it,
+and the ranking it hands back."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, RunningReplica
+
+from kvindex.records import RoutingRequest
+
+
+class Ranked(Sequence[list[RunningReplica]]):
+    """A ranking as Serve takes it, one replica per rank, built only as far as Serve reads
+    (it tries the ranks in order and stops at the first with room)."""
+
+    def __init__(self, ranking: Sequence[str], by_id: dict[str, RunningReplica]) -> None:
+        self.ranking, self.by_id = ranking, by_id
+
+    def __len__(self) -> int:
+        return len(self.ranking)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [[self.by_id[rid]] for rid in self.ranking[i]]
+        return [self.by_id[self.ranking[i]]]
+
+    def __iter__(self) -> Iterator[list[RunningReplica]]:
+        for rid in self.ranking:
+            yield [self.by_id[rid]]
+
+
+def pull_target(pending: PendingRequest | None) -> str | None:
+    """The holder a ``PullRequest`` names (None for anything else)."""
+    if pending is None or not pending.args:
+        return None
+    target = getattr(pending.args[0], "target_replica_id", None)
+    return target if isinstance(target, str) else None
+
+
+def routing_request(pending: PendingRequest | None) -> RoutingRequest | None:
+    """The ``RoutingRequest`` an ``EngineRequest`` carries (None for anything else)."""
+    if pending is None or not pending.args:
+        return None
+    route = getattr(pending.args[0], "route", None)
+    return route if isinstance(route, RoutingRequest) else None
