@@ -32,7 +32,7 @@ class IndexConfig(BaseModel):
         65_536, gt=0, description="unsent changes kept before falling back to a resync"
     )
     mirror: bool = Field(
-        False,
+        True,
         description="routers keep a live copy of the index (kvindex.mirror) and decide "
         "from it, with no Redis round trip on the request path, and share their bookings "
         "every share_interval_s; off: one query and three booking scripts per request",

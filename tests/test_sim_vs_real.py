@@ -60,6 +60,7 @@ def test_simulated_hit_rates_match_the_real_cluster(tmp_path: Path, redis_server
     for policy in POLICIES.split(","):
         r, s = real_runs[policy], sim_runs[policy]
         assert r["requests_failed"] == 0, r["errors"]
+        assert r.get("routing_errors", 0) == 0, (policy, r)
         assert abs(r["hit_rate_engine"] - s["hit_rate_engine"]) <= TOLERANCE, (policy, r, s)
     for runs in (real_runs, sim_runs):
         baseline = runs["round_robin+nostore"]["hit_rate_engine"]

@@ -161,8 +161,8 @@ STORE_KEYS = ("store_spilled_blocks", "store_restored_blocks", "store_restore_re
 
 
 def _router_metrics(stats: dict[str, Any]) -> dict[str, Any]:
-    """Decision times, and the decisions made without the index (routed blind) or that
-    the mirror could not answer, from the ingress's ``/cluster/stats``."""
+    """Decision times, and the decisions made without the index (routed blind), that the
+    mirror could not answer or that raised, from the ingress's ``/cluster/stats``."""
     counters = stats.get("index") or {}
     mirror = stats.get("mirror") or {}
     return {
@@ -171,6 +171,7 @@ def _router_metrics(stats: dict[str, Any]) -> dict[str, Any]:
         "index_unknown": counters.get("query_failures", 0) + counters.get("queries_skipped", 0),
         "mirror_unknown": mirror.get("unknown_answers"),
         "mirror_events": mirror.get("events"),  # the log's events its follower applied
+        "routing_errors": stats.get("routing_errors", 0),  # decisions that raised
     }
 
 
