@@ -6,6 +6,8 @@
 * a holder SIGKILLed before the other replica pulls from it (the index still lists it):
   the pull gives up at its deadline, the prefix is recomputed, the answer is the same and
   the survivor's block accounting adds up;
+* a holder SIGKILLed while the other replica's pull waits on it (frozen first, so the
+  pull is in flight): the pull fails by its deadline, the answer is the same;
 * isolation: a Ray started on the machine by someone else is neither joined nor stopped.
   The outside cluster is started as a user starts one (``ray start --head``), in a
   temporary folder this module makes the machine's default (``RAY_TMPDIR``, where ``ray``
@@ -16,12 +18,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -132,6 +136,52 @@ def test_a_holder_killed_before_the_pull_costs_a_failed_pull_and_the_store_serve
     assert counter(cluster, survivor, "store_restored_blocks", restored) >= restored + blocks
     audits = before["idle_audits"]  # the survivor's audits before the second request
     assert counter(cluster, survivor, "idle_audits", audits) > audits  # idle since
+    assert cluster.stats()["replicas"][survivor]["audit_error"] is None
+
+
+def live_replica_pids(cluster: ServeCluster) -> dict[str, int]:
+    """Both replicas' process ids once both are alive (Serve replaces a killed one)."""
+    deadline = time.monotonic() + 90
+    while True:
+        pids = replica_pids(cluster)
+        try:
+            for pid in pids.values():
+                os.kill(pid, 0)
+            return pids
+        except ProcessLookupError:
+            assert time.monotonic() < deadline, pids
+            time.sleep(0.5)
+
+
+def test_a_holder_killed_mid_pull_fails_the_pull_by_its_deadline_and_the_answer_stands(
+    cluster: ServeCluster,
+) -> None:
+    """The holder is frozen (SIGSTOP) once it has published, so the other replica's pull
+    waits on it; it is SIGKILLed while the pull waits. The pull fails (counted), the prompt
+    is still served with the same greedy answer, and nothing waits past the pull's deadline
+    for the dead holder."""
+    pids = live_replica_pids(cluster)
+    system = "A third long system prompt; its holder dies while it is pulled. " * 20
+    first, holder = chat(cluster, system, "M?")
+    time.sleep(0.5)  # published
+    (survivor,) = set(pids) - {holder}
+    failed = cluster.stats()["replicas"][survivor].get("pulls_failed") or 0
+    os.kill(pids[holder], signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            start = time.monotonic()
+            pending = pool.submit(chat, cluster, system, "M?")
+            time.sleep(0.5)  # the survivor's pull is waiting on the frozen holder
+            os.kill(pids[holder], signal.SIGKILL)
+            second, served_on = pending.result(timeout=60)
+            took = time.monotonic() - start
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids[holder], signal.SIGKILL)
+    assert served_on == survivor
+    assert second.choices[0].message.content == first.choices[0].message.content
+    assert took < PullConfig().timeout_s + 3, took  # the deadline, then a fast prefill
+    assert counter(cluster, survivor, "pulls_failed", failed) == failed + 1
     assert cluster.stats()["replicas"][survivor]["audit_error"] is None
 
 
