@@ -145,8 +145,8 @@ def markdown(payload: dict[str, Any]) -> str:
 
 def write_report(out: Path, payload: dict[str, Any]) -> dict[str, Any]:
     """``results.json`` (without raw samples), ``requests.json`` (each run's requests: id,
-    replica, status, TTFT, prompt and cached tokens), ``results.md`` and the plots; returns
-    what ``results.json`` holds."""
+    replica, status, TTFT, prompt and cached tokens; where the runs kept them),
+    ``results.md`` and the plots; returns what ``results.json`` holds."""
     out.mkdir(parents=True, exist_ok=True)
     plot(out, payload)
     slim = json.loads(json.dumps(payload, default=str))
@@ -157,7 +157,8 @@ def write_report(out: Path, payload: dict[str, Any]) -> dict[str, Any]:
             m.pop("ttft_samples", None)
             rows = m.pop("requests", None) or []
             requests[section][policy] = m.pop("requests_by_run", None) or [rows]
-    (out / "requests.json").write_text(json.dumps(requests) + "\n")
+    if any(rows for runs in requests.values() for by_run in runs.values() for rows in by_run):
+        (out / "requests.json").write_text(json.dumps(requests) + "\n")
     (out / "results.json").write_text(json.dumps(slim, indent=2) + "\n")
     (out / "results.md").write_text(markdown(payload) + "\n")
     return slim

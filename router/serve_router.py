@@ -111,7 +111,11 @@ class PrefixAwareRequestRouter(RequestRouter):
             # forever; it goes to any replica, and the defect is logged and counted
             routing_stats.ROUTING_ERRORS.inc()
             self.stats.errors += 1
-            log.exception("routing %s failed; any replica serves it", request.request_id)
+            n = self.stats.errors
+            if n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th...: seen, without a flood
+                log.exception(
+                    "routing %s failed (%d so far); any replica serves it", request.request_id, n
+                )
             return [candidate_replicas]
 
     async def _ranked(

@@ -173,6 +173,7 @@ def _simulate(
     )
     results, makespan = sim.run(trace)
     metrics = summarize(results, makespan, sorted(sim.replicas))
+    metrics.pop("requests")  # not kept: 30,000 requests a policy at 256 replicas
     pulls = {"pulls": sim.tally.pulls, "pulled_blocks": sim.tally.pulled_blocks} if pull else {}
     if store is not None:
         pulls["restored_blocks"] = sim.tally.restored_blocks
