@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,9 +34,10 @@ import pytest
 from conftest import tiny
 from streams import replica_pids
 
+from bench.harness import redis_server
 from bench.harness.launcher import ServeCluster
 from bench.harness.private_ray import PrivateRay
-from bench.harness.redis_server import LocalRedis
+from bench.harness.redis_server import LocalRedis, free_ports, quiet_ports
 from cluster.config import ClusterArgs
 from kvindex.config import IndexConfig
 from kvindex.pulls import PullConfig
@@ -199,3 +201,20 @@ def test_a_ray_started_outside_the_suite_is_left_alone(
         [ray, "status", f"--address={address}"], capture_output=True, text=True, timeout=60
     )
     assert status.returncode == 0, status.stdout + status.stderr
+
+
+def test_ports_are_chosen_where_no_process_is_handed_one_unasked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cluster's ports (Ray's, Serve's proxy, Redis) come from above Ray's worker ports and
+    below the system's ephemeral range, so that no process binding port 0 or connecting out
+    takes one between the choice and its owner's bind (Serve's proxy once failed to bind its
+    port, chosen by ``bind(0)`` seconds earlier, and a module's cluster did not start)."""
+    quiet = quiet_ports()
+    assert quiet.start == 20_000 and len(quiet) > 1000
+    ports = free_ports(8)
+    assert len(set(ports)) == 8 and all(p in quiet for p in ports)
+    with socket.socket() as taken:  # a port in use is never chosen, even drawn first
+        taken.bind(("127.0.0.1", ports[0]))
+        monkeypatch.setattr(redis_server.random, "sample", lambda _, k: ports[: min(k, 8)])
+        assert free_ports(3) == ports[1:4]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -17,14 +18,39 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free loopback ports: all bound at once, then released (one at a
-    time, the system may hand the same port out twice: a private Ray once got one port for
-    two of its components and did not start)."""
-    sockets = [socket.socket() for _ in range(count)]
+RAY_WORKER_PORTS_END = 20_000  # Ray's workers listen on 10002-19999 unless told otherwise
+
+
+def quiet_ports() -> range:
+    """Ports no process gets without naming them: above Ray's worker ports and below the
+    system's ephemeral range, where ``bind(0)`` and outgoing connections take theirs. A port
+    chosen there stays free until its owner binds it seconds later; one chosen by
+    ``bind(0)`` did not (Serve's proxy once found its port taken by then)."""
     try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
+        first = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]
+        return range(RAY_WORKER_PORTS_END, int(first))
+    except (OSError, ValueError, IndexError):
+        return range(RAY_WORKER_PORTS_END, 32_768)
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free loopback ports, from ``quiet_ports`` where it has room: all
+    bound at once, then released (one at a time, the system may hand the same port out
+    twice: a private Ray once got one port for two of its components and did not start)."""
+    quiet = quiet_ports()
+    candidates = random.sample(quiet, min(len(quiet), 50 * count)) if len(quiet) > 100 else []
+    sockets: list[socket.socket] = []
+    try:
+        for port in [*candidates, *[0] * count]:  # bind(0): where no quiet port was free
+            if len(sockets) == count:
+                break
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            sockets.append(s)
         return [s.getsockname()[1] for s in sockets]
     finally:
         for s in sockets:
