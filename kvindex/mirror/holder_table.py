@@ -56,7 +56,6 @@ class HolderTable:
     def _allocate(self, capacity: int) -> None:
         self.keys = np.zeros(capacity, np.uint64)
         self.holder = np.zeros(capacity, np.int16)
-        self.cap = np.uint64(capacity)
 
     def __len__(self) -> int:
         return self.used + len(self.overflow)
@@ -203,12 +202,7 @@ class HolderTable:
         for key, cell in zip(keys[shared].tolist(), cells[shared].tolist(), strict=True):
             self.holder[cell] = self._left(key, slot)
         for key in [k for k in keys[~found].tolist() if k in self.overflow]:
-            holder = self.overflow[key]
-            if holder == slot:
-                del self.overflow[key]
-                self.count[slot] -= 1
-            elif holder == SHARED:
-                self.overflow[key] = self._left(key, slot)
+            self._leave_overflow(key, slot)
 
     def _remove_one(self, slot: int, key: int) -> None:
         """``remove`` for one key in plain Python (see ``_add_one``)."""
@@ -222,12 +216,16 @@ class HolderTable:
             elif holder == SHARED:
                 self.holder[cell] = self._left(key, slot)
         elif key in self.overflow:
-            holder = self.overflow[key]
-            if holder == slot:
-                del self.overflow[key]
-                self.count[slot] -= 1
-            elif holder == SHARED:
-                self.overflow[key] = self._left(key, slot)
+            self._leave_overflow(key, slot)
+
+    def _leave_overflow(self, key: int, slot: int) -> None:
+        """``slot`` no longer holds ``key``, which lives in the overflow."""
+        holder = self.overflow[key]
+        if holder == slot:
+            del self.overflow[key]
+            self.count[slot] -= 1
+        elif holder == SHARED:
+            self.overflow[key] = self._left(key, slot)
 
     def _left(self, key: int, slot: int) -> int:
         """A shared key's holder once ``slot`` leaves it (counted if it held it)."""
@@ -279,8 +277,9 @@ class HolderTable:
         cells = np.flatnonzero(self.keys)
         keys = self.keys[cells]
         assert cells.size == self.used and np.unique(keys).size == keys.size
-        home = (keys >> np.uint64(1)) % self.cap
-        assert np.all(((cells.astype(np.uint64) + self.cap - home) % self.cap) < WINDOW)
+        cap = np.uint64(self.keys.size)
+        home = (keys >> np.uint64(1)) % cap
+        assert np.all(((cells.astype(np.uint64) + cap - home) % cap) < WINDOW)
         assert not set(keys.tolist()) & set(self.overflow)
         holders = dict(zip(keys.tolist(), self.holder[cells].tolist(), strict=True))
         holders.update(self.overflow)
