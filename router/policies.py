@@ -115,6 +115,34 @@ def rendezvous_weights(key: bytes, replicas: Sequence[str] | ReplicaTable) -> np
     return x
 
 
+def cost_order(costs: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """``np.lexsort((~weights, costs))``: cheapest first, equal costs in rendezvous order
+    (highest weight first), equal weights by position. One sort of one uint64 key where it
+    can be (the cost, less the cheapest, in the high 32 bits; the inverted weight's high 32
+    bits below), a third of a lexsort's time at a thousand replicas; where two keys are
+    equal (two weights alike in their high bits, ~1 in 10,000 decisions at a thousand
+    replicas) or costs span 2**32 or more, the lexsort itself, so the order is always
+    exactly the lexsort's."""
+    if costs.size < 2:
+        return np.zeros(costs.size, np.int64)
+    low = costs.min()
+    if costs.max() - low < 2**32:
+        key = (costs - low).astype(np.uint64) << np.uint64(32)
+        key |= ~weights >> np.uint64(32)
+        order = np.argsort(key)
+        ranked = key[order]
+        if not (ranked[1:] == ranked[:-1]).any():  # all distinct: the order is total
+            return order
+    return np.lexsort((~weights, costs))
+
+
+def cheapest(costs: np.ndarray, weights: np.ndarray) -> int:
+    """``cost_order(costs, weights)[0]`` without ordering the rest: the cheapest, then the
+    highest weight, then the first."""
+    tied = np.flatnonzero(costs == costs.min())
+    return int(tied[np.argmax(weights[tied])])
+
+
 _SPLITMIX = (
     (np.uint64(30), np.uint64(0xBF58476D1CE4E5B9)),
     (np.uint64(27), np.uint64(0x94D049BB133111EB)),

@@ -49,7 +49,14 @@ import numpy as np
 from kvindex.pulls import PullConfig, pull_prices, pulled_token_column
 from kvindex.records import ReplicaState, ReplicaTable, RoutingRequest
 from kvindex.stored import StoreConfig, restore_prices, stored_token_column
-from router.policies import Ranking, RoutingPolicy, cache_credits, rendezvous_weights
+from router.policies import (
+    Ranking,
+    RoutingPolicy,
+    cache_credits,
+    cheapest,
+    cost_order,
+    rendezvous_weights,
+)
 
 EXPLAINED = 8  # replicas an explanation lists (the choice and the cheapest)
 
@@ -130,7 +137,7 @@ class PrefillCost(RoutingPolicy):
         held = table.held
         most = held.max()
         weights = rendezvous_weights(tie_key(request, int(most)), table)
-        by_cost = np.lexsort((~weights, costs))  # cost, then rendezvous order
+        by_cost = cost_order(costs, weights)  # cost, then rendezvous order
         credits = cache_credits(request, table)
         # holds the most; among those the cheapest, then rendezvous: the first in by_cost
         holder = int(by_cost[np.argmax(held[by_cost] == most)])
@@ -170,7 +177,7 @@ class PrefillCost(RoutingPolicy):
         slack = self.knobs.new_prefix_slack * request.num_prompt_tokens
         near = np.flatnonzero(load <= load.min() + slack)
         footprint = table.column("footprint_blocks")[near]
-        return int(near[np.lexsort((~weights[near], footprint))[0]])
+        return int(near[cheapest(footprint, weights[near])])
 
     def explain(self) -> str:
         reason, among, ranked, costs = self._last

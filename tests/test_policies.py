@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from bench.sim.peer_policies import DynamoKV, RayPrefixSim, SGLangCacheAware
 from kvindex.hashing import BlockHasher
 from kvindex.pulls import PullConfig, with_pullable
@@ -14,6 +16,8 @@ from router.policies import (
     CacheAware,
     PrefixAffinity,
     RoundRobin,
+    cheapest,
+    cost_order,
     rendezvous_order,
     rendezvous_weights,
 )
@@ -56,6 +60,28 @@ def test_rendezvous_moves_about_one_nth_of_keys_when_a_replica_joins_or_leaves()
     assert 0.6 / 8 < len(moved) / len(keys) < 1.4 / 8
     # the same key gives the same order in any process and any input order
     assert rendezvous_order(keys[0], replicas) == rendezvous_order(keys[0], replicas[::-1])
+
+
+def test_cost_order_and_cheapest_are_exactly_the_lexsorts_they_stand_for() -> None:
+    """Cheapest first, then highest weight, then position: the one sort of one key, and its
+    fallbacks where keys collide or costs span 2**32, give the lexsort's order itself."""
+    high = np.uint64(0xABCD0123) << np.uint64(32)
+    # equal costs, weights alike in their high 32 bits: only the low bits order them
+    weights = np.array([high | np.uint64(1), high | np.uint64(2), 5], np.uint64)
+    assert cost_order(np.array([7, 7, 7]), weights).tolist() == [1, 0, 2]
+    rng = np.random.default_rng(0)
+    for trial in range(2000):
+        n = int(rng.integers(0, 200))
+        top = int(rng.choice([2, 50, 2**33]))  # many ties, some, costs spanning 2**33
+        costs = rng.integers(-3, top, n).astype(np.int64)
+        weights = rng.integers(0, 2**64, n, dtype=np.uint64)
+        if n > 4 and trial % 3 == 0:
+            weights[1] = weights[0]  # equal weights: position decides
+            weights[3] = (weights[2] & np.uint64(0xFFFFFFFF00000000)) | np.uint64(trial)
+        expected = np.lexsort((~weights, costs))
+        assert cost_order(costs, weights).tolist() == expected.tolist(), trial
+        if n:
+            assert cheapest(costs, weights) == int(expected[0]), trial
 
 
 def test_prefix_affinity_keeps_a_shared_prompt_together_and_spreads_distinct_ones() -> None:
