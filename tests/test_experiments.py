@@ -107,6 +107,22 @@ def test_a_policys_suffix_turns_the_routers_mirror_on_or_off() -> None:
     assert _index_config(args, "redis://x:1/0", "ns", None).timeout_s == 0.5
 
 
+def test_knobs_tune_the_policies_that_have_them_and_a_misspelt_one_fails_first() -> None:
+    """``--knobs`` beside round robin: prefill_cost takes them, round robin runs as it is
+    (it failed validation in its first run); a knob no policy has stops the run at once."""
+    from bench.experiments.routing_args import check_knobs, our_routing
+
+    knobs = {"decode_cost_tokens": 64}
+    assert our_routing("prefill_cost", 0.25, knobs).decode_cost_tokens == 64
+    assert our_routing("round_robin", 0.25, knobs) == our_routing("round_robin", 0.25, {})
+    check_knobs(["round_robin", "prefill_cost+pull+mirror"], knobs)
+    check_knobs(["sglang_cache_aware", "cache_aware"], {"epsilon": 0.5})  # a peer model: none
+    with pytest.raises(ValueError, match="decode_cost_token"):
+        check_knobs(["prefill_cost"], {"decode_cost_token": 64})
+    with pytest.raises(ValueError, match="no field"):
+        check_knobs(["round_robin", "sglang_cache_aware"], knobs)
+
+
 def test_repeated_runs_report_one_p99_of_all_their_requests() -> None:
     from bench.report import combine
 

@@ -22,6 +22,7 @@ import httpx
 
 from bench.experiments.routing_args import (
     add_workload_arguments,
+    check_knobs,
     our_routing,
     section_name,
     split_mirror,
@@ -57,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out = args.out or Path(f"results/routing-{args.workload}")
     policies = [p for p in args.policies.split(",") if p]
+    check_knobs(policies, json.loads(args.knobs) if args.knobs else {}, args.epsilon)
     engine = fast_engine(args.model, num_blocks=args.num_blocks)
     hasher, tokenizer = engine.block_hasher(), checkpoint_for(engine.model).tokenizer()
     payload: dict[str, Any] = {

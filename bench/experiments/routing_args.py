@@ -20,13 +20,35 @@ POLICIES = ("round_robin", "prefill_cost", "cache_aware", "ray_default", "ray_pr
 
 def our_routing(policy: str, epsilon: float, knobs: dict[str, Any]) -> ServedPolicy | RayRouting:
     """The routing section for a policy: ``epsilon`` where the policy has one, ``knobs``
-    (the section's own fields) on top; Ray's default router timed like ours."""
+    (routing fields) on top where the section has them, so ``--knobs '{"decode_cost_tokens":
+    64}'`` tunes ``prefill_cost`` and leaves round robin beside it as it is
+    (``check_knobs`` rejects a knob no policy of the run has); Ray's default router timed
+    like ours."""
     fields: dict[str, Any] = {"policy": policy}
     if policy in ("cache_aware", "prefix_affinity"):
         fields["epsilon"] = epsilon
     if policy == "ray_default":
         fields["router_class"] = TIMED_RAY_DEFAULT
-    return routing_config(**fields, **knobs)
+    section = routing_config(**fields)
+    taken = {k: v for k, v in knobs.items() if k in type(section).model_fields}
+    return routing_config(**fields, **taken) if taken else section
+
+
+def check_knobs(policies: list[str], knobs: dict[str, Any], epsilon: float = 0.25) -> None:
+    """Every knob is a field of the routing section of some policy of the run (names as
+    ``split_mirror``, ``split_store``, ``split_pull`` read them; ``others``, e.g. the
+    simulator's peer models, have none): a misspelt knob fails before the first run
+    instead of running every policy at its defaults."""
+    fields: set[str] = set()
+    for policy in policies:
+        name = split_pull(split_store(split_mirror(policy)[0])[0])[0]
+        try:
+            fields |= set(type(our_routing(name, epsilon, {})).model_fields)
+        except ValueError:  # not one of our sections (a peer's model)
+            continue
+    unknown = sorted(set(knobs) - fields)
+    if unknown:
+        raise ValueError(f"knobs {unknown} are no field of any routing section of {policies}")
 
 
 def split_mirror(name: str) -> tuple[str, bool | None]:

@@ -23,6 +23,7 @@ from typing import Any
 
 from bench.experiments.routing_args import (
     add_workload_arguments,
+    check_knobs,
     our_routing,
     section_name,
     split_mirror,
@@ -99,6 +100,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cost = CostModel.load(args.cost_model)
     counts = [int(r) for r in str(args.replicas).split(",")]
     policies = [p for p in args.policies.split(",") if p]
+    check_knobs(policies, json.loads(args.knobs) if args.knobs else {}, args.epsilon)
     payload: dict[str, Any] = {
         "title": f"Simulated cluster: {args.workload}",
         "workload": vars(args) | {"out": str(out)},
