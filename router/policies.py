@@ -118,11 +118,10 @@ def rendezvous_weights(key: bytes, replicas: Sequence[str] | ReplicaTable) -> np
 def cost_order(costs: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """``np.lexsort((~weights, costs))``: cheapest first, equal costs in rendezvous order
     (highest weight first), equal weights by position. One sort of one uint64 key where it
-    can be (the cost, less the cheapest, in the high 32 bits; the inverted weight's high 32
-    bits below), a third of a lexsort's time at a thousand replicas; where two keys are
-    equal (two weights alike in their high bits, ~1 in 10,000 decisions at a thousand
-    replicas) or costs span 2**32 or more, the lexsort itself, so the order is always
-    exactly the lexsort's."""
+    can be (the cost less the cheapest in the high 32 bits, the inverted weight's high 32
+    bits below: a lexsort is two sorts and costs most of a decision among a thousand
+    replicas); where two keys are equal (equal costs and weights alike in their high bits:
+    rare) or costs span 2**32, the lexsort itself, so the order is always the lexsort's."""
     if costs.size < 2:
         return np.zeros(costs.size, np.int64)
     low = costs.min()

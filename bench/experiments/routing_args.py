@@ -35,10 +35,10 @@ def our_routing(policy: str, epsilon: float, knobs: dict[str, Any]) -> ServedPol
 
 
 def check_knobs(policies: list[str], knobs: dict[str, Any], epsilon: float = 0.25) -> None:
-    """Every knob is a field of the routing section of some policy of the run (names as
-    ``split_mirror``, ``split_store``, ``split_pull`` read them; ``others``, e.g. the
-    simulator's peer models, have none): a misspelt knob fails before the first run
-    instead of running every policy at its defaults."""
+    """Every knob is a field of the routing section of some policy of the run (names read
+    as ``split_mirror``, ``split_store`` and ``split_pull`` read them; the simulator's peer
+    models have no section): a misspelt knob fails before the first run instead of
+    running every policy at its defaults."""
     fields: set[str] = set()
     for policy in policies:
         name = split_pull(split_store(split_mirror(policy)[0])[0])[0]
