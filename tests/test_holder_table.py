@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from kvindex.mirror import holder_table
+from kvindex.mirror import cells, holder_table
 from kvindex.mirror.holder_table import HolderTable, block_keys
 
 
@@ -37,12 +37,15 @@ def table_runs(table: HolderTable, keys: list[int], live: set[int]) -> dict[int,
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("few", [0, holder_table.FEW, 10_000], ids=["numpy", "mixed", "python"])
+@pytest.mark.parametrize("few_keys", [0, cells.FEW_KEYS], ids=["home-first", "windows"])
 def test_the_table_holds_what_a_dict_of_sets_holds_after_random_changes(
-    seed: int, few: int, monkeypatch: pytest.MonkeyPatch
+    seed: int, few: int, few_keys: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Batches of 1-39 keys: with ``few`` 0 every change takes the numpy path, with 10,000
-    the one-key path, by default both."""
+    the one-key path, by default both; ``few_keys`` 0: every lookup of many keys looks in
+    the home cells first (a batch's way), else in whole windows (a chain's)."""
     monkeypatch.setattr(holder_table, "FEW", few)
+    monkeypatch.setattr(cells, "FEW_KEYS", few_keys)
     rng = random.Random(seed)
     table, model = HolderTable(capacity=16, slots=2), {}
     universe = block_keys([os.urandom(16) for _ in range(3000)]).tolist()

@@ -13,6 +13,8 @@ import numpy as np
 WINDOW = 16
 CHUNK = 1 << 16  # keys placed at once (a window is 16 cells: a big batch's would not fit)
 _OFFSETS = np.arange(WINDOW, dtype=np.uint64)
+_WINDOW_OFFSETS = np.arange(WINDOW, dtype=np.int64)
+FEW_KEYS = 512  # keys ``cells_of`` looks up in their whole windows at once
 
 
 def windows(cells: np.ndarray, keys: np.ndarray) -> np.ndarray:
@@ -23,18 +25,26 @@ def windows(cells: np.ndarray, keys: np.ndarray) -> np.ndarray:
 
 
 def cells_of(cells: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """Each key's cell, or -1 where it is not in a cell. Most keys sit in their home cell
-    (the first of the window): one gather finds those, a window only the rest."""
-    if keys.size == 0:
-        return np.zeros(0, np.int64)
+    """Each key's cell, or -1 where it is not in a cell. A chain's few keys are looked up in
+    their whole windows at once (one gather: each numpy call costs a microsecond whatever its
+    size, and a decision looks up 64 keys); a batch's many keys first in their home cells,
+    where most of them sit, and only the rest in their windows."""
     home = ((keys >> np.uint64(1)) % np.uint64(cells.size)).astype(np.int64)
+    if keys.size <= FEW_KEYS:
+        return _in_windows(cells, keys, home)
     away = np.flatnonzero(cells[home] != keys)
     if away.size:
-        window = windows(cells, keys[away])
-        hit = cells[window] == keys[away][:, None]
-        found = window[np.arange(away.size), hit.argmax(axis=1)].astype(np.int64)
-        home[away] = np.where(hit.any(axis=1), found, -1)
+        home[away] = _in_windows(cells, keys[away], home[away])
     return home
+
+
+def _in_windows(cells: np.ndarray, keys: np.ndarray, home: np.ndarray) -> np.ndarray:
+    """Each key's cell in the window from ``home`` on (wrapping), -1 where it is in none."""
+    hit = np.take(cells, home[:, None] + _WINDOW_OFFSETS, mode="wrap") == keys[:, None]
+    found = home + hit.argmax(axis=1)
+    found[found >= cells.size] -= cells.size
+    found[~hit.any(axis=1)] = -1
+    return found
 
 
 def cells_holding(cells: np.ndarray, key: int, content: int) -> list[int]:
