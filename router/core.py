@@ -134,10 +134,8 @@ class RoutingCore:
             floors = None
         if not local and floors is None:
             return table
-        columns = {
-            c: table.column(c).copy()
-            for c in ("booked_prefill_tokens", "in_flight", "booked_decode_blocks")
-        }
+        changed = ("booked_prefill_tokens", "in_flight", "booked_decode_blocks") if local else ()
+        columns = {c: table.column(c).copy() for c in changed}
         where = table.positions
         for rid, load in local.items():
             k = where.get(rid)
@@ -145,8 +143,9 @@ class RoutingCore:
                 columns["booked_prefill_tokens"][k] += load.prefill_tokens
                 columns["in_flight"][k] += load.in_flight
                 columns["booked_decode_blocks"][k] += load.decode_blocks
-        if floors is not None:
-            np.maximum(columns["in_flight"], floors, out=columns["in_flight"])
+        if floors is not None:  # a new column, or the copy above raised in place
+            in_flight = columns.get("in_flight")
+            columns["in_flight"] = np.maximum(table.column("in_flight"), floors, out=in_flight)
         return table.with_columns(**columns)
 
     def _states(
@@ -194,6 +193,8 @@ class RoutingCore:
         """Prompt tokens each replica will not compute: what it holds, plus the most it
         restores from its node's store or pulls from another replica."""
         credit = cache_credits(request, table)
+        if not self.pulls and not self.stores:
+            return credit  # never changed in place, like every column
         extra = np.zeros(len(table), np.int64)
         if self.pulls:
             extra = pulled_token_column(request, table, self.pulls.min_blocks)

@@ -117,22 +117,41 @@ def rendezvous_weights(key: bytes, replicas: Sequence[str] | ReplicaTable) -> np
 
 def cost_order(costs: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """``np.lexsort((~weights, costs))``: cheapest first, equal costs in rendezvous order
-    (highest weight first), equal weights by position. One sort of one uint64 key where it
-    can be (the cost less the cheapest in the high 32 bits, the inverted weight's high 32
-    bits below: a lexsort is two sorts and costs most of a decision among a thousand
-    replicas); where two keys are equal (equal costs and weights alike in their high bits:
-    rare) or costs span 2**32, the lexsort itself, so the order is always the lexsort's."""
-    if costs.size < 2:
-        return np.zeros(costs.size, np.int64)
+    (highest weight first), equal weights by position.
+
+    One ``np.sort`` of one uint64 key where it can be: the cost less the cheapest in the high
+    bits, the inverted weight's high bits below, the position in the low bits (so the sorted
+    keys are the order; numpy sorts integers with SIMD, an argsort or a lexsort's two sorts
+    cost three times as long, and this sort is the biggest step of a decision among a
+    thousand replicas). Where two keys share cost and weight bits (rare) or costs span so
+    much that fewer than ``MIN_WEIGHT_BITS`` of the weights fit, the lexsort itself, so the
+    order is always the lexsort's."""
+    n = costs.size
+    if n < 2:
+        return np.zeros(n, np.int64)
     low = costs.min()
-    if costs.max() - low < 2**32:
-        key = (costs - low).astype(np.uint64) << np.uint64(32)
-        key |= ~weights >> np.uint64(32)
-        order = np.argsort(key)
-        ranked = key[order]
-        if not (ranked[1:] == ranked[:-1]).any():  # all distinct: the order is total
-            return order
+    position_bits = (n - 1).bit_length()
+    weight_bits = 64 - position_bits - int(costs.max() - low).bit_length()
+    if weight_bits >= MIN_WEIGHT_BITS:
+        key = (costs - low).astype(np.uint64) << np.uint64(weight_bits + position_bits)
+        key |= (~weights >> np.uint64(64 - weight_bits)) << np.uint64(position_bits)
+        key |= _positions(n)
+        key.sort()
+        ranked = key >> np.uint64(position_bits)
+        if not (ranked[1:] == ranked[:-1]).any():  # no two alike: the order is total
+            return (key & np.uint64((1 << position_bits) - 1)).astype(np.int64)
     return np.lexsort((~weights, costs))
+
+
+MIN_WEIGHT_BITS = 24  # fewer, and weights alike in them (a fallback) would be common
+
+
+@functools.lru_cache(maxsize=8)
+def _positions(n: int) -> np.ndarray:
+    """0..n-1 as uint64 (a decision's candidates are the same thousand most of the time)."""
+    positions = np.arange(n, dtype=np.uint64)
+    positions.flags.writeable = False
+    return positions
 
 
 def cheapest(costs: np.ndarray, weights: np.ndarray) -> int:

@@ -64,20 +64,23 @@ def test_rendezvous_moves_about_one_nth_of_keys_when_a_replica_joins_or_leaves()
 
 def test_cost_order_and_cheapest_are_exactly_the_lexsorts_they_stand_for() -> None:
     """Cheapest first, then highest weight, then position: the one sort of one key, and its
-    fallbacks where keys collide or costs span 2**32, give the lexsort's order itself."""
+    fallbacks where keys collide or costs span too many bits, give the lexsort's order."""
     high = np.uint64(0xABCD0123) << np.uint64(32)
     # equal costs, weights alike in their high 32 bits: only the low bits order them
     weights = np.array([high | np.uint64(1), high | np.uint64(2), 5], np.uint64)
     assert cost_order(np.array([7, 7, 7]), weights).tolist() == [1, 0, 2]
     rng = np.random.default_rng(0)
-    for trial in range(2000):
-        n = int(rng.integers(0, 200))
-        top = int(rng.choice([2, 50, 2**33]))  # many ties, some, costs spanning 2**33
+    for trial in range(3000):
+        n = int(rng.choice([int(rng.integers(0, 200)), 1024, 1500]))
+        top = int(rng.choice([2, 50, 2**20, 2**33, 2**45]))  # many ties, some, wide spans
         costs = rng.integers(-3, top, n).astype(np.int64)
         weights = rng.integers(0, 2**64, n, dtype=np.uint64)
         if n > 4 and trial % 3 == 0:
             weights[1] = weights[0]  # equal weights: position decides
-            weights[3] = (weights[2] & np.uint64(0xFFFFFFFF00000000)) | np.uint64(trial)
+            costs[1] = costs[0]
+            alike = np.uint64(~((1 << int(rng.integers(0, 40))) - 1) & (2**64 - 1))
+            weights[3] = (weights[2] & alike) | np.uint64(trial)  # alike in their high bits
+            costs[3] = costs[2]
         expected = np.lexsort((~weights, costs))
         assert cost_order(costs, weights).tolist() == expected.tolist(), trial
         if n:
