@@ -13,15 +13,18 @@ Scenarios (``--scenarios``, all by default), each on a fresh cluster (the defaul
 * ``router_restart``: two ingress replicas (each a router with its mirror of the index);
   one ingress process is killed (SIGKILL) under load and Serve starts another, whose new
   mirror snapshots the index and routes from it.
+* ``router_rolling_restart``: the same two ingress replicas replaced as a rolling upgrade
+  replaces them (``serve deploy`` with the ingress's options changed): the old routers
+  drain, the new ones snapshot the index and route from it.
 * ``overload``: open-loop load far above capacity.
 * ``soak``: mixed workloads for ``--soak-s`` seconds.
 
 Each reports requests ok / failed / lost (never answered), recovery times, and what the
 replicas' own audits say about their block accounting once idle. ``--index`` sets
 ``IndexConfig`` fields for every scenario (e.g. ``{"mirror": true}``); ``events_lost`` and
-``router_restart`` always run with mirrors.
+the router scenarios always run with mirrors.
 
-Longer than 300 lines because it holds nine scenarios, each a short function of its own
+Longer than 300 lines because it holds ten scenarios, each a short function of its own
 (none over 60 lines) sharing one runner and one report; split, they would be nine modules
 of one function each.
 """
@@ -61,6 +64,7 @@ SCENARIOS = (
     "redis_slow",
     "events_lost",
     "router_restart",
+    "router_rolling_restart",
     "overload",
     "soak",
 )
@@ -302,6 +306,50 @@ def router_restart(args: argparse.Namespace) -> dict[str, Any]:
 SYNCED_AT = "prefix_serve_index_mirror_synced_at_seconds"
 
 
+def router_rolling_restart(args: argparse.Namespace) -> dict[str, Any]:
+    """Two ingress replicas replaced under load as a rolling upgrade replaces them: Serve
+    starts new ones and drains the old (their open streams finish there), so no request
+    should fail. Converged: every ingress is new and each new router's mirror is synced;
+    what the new routers decided from their mirrors, and without the index, is counted."""
+    with _scenario(args, index={"mirror": True}, ingress_replicas=2) as s:
+        trace = fault_trace(args.rate, args.duration_s)
+        s.load(trace)
+        time.sleep(args.duration_s * 0.3)
+        url = s.cluster.base_url
+        before = set(index_answers_by_ingress(url)) | set(gauge_by_ingress(url, SYNCED_AT))
+        old = set(s.cluster.replica_pids("Ingress"))
+        started, started_wall = time.monotonic(), time.time()
+        s.cluster.restart_ingress(generation=1)
+        deployed = time.monotonic() - started
+
+        def all_new() -> bool:
+            pids = set(s.cluster.replica_pids("Ingress"))
+            return len(pids) >= 2 and not pids & old
+
+        replaced = wait_for(all_new, 120)
+
+        def new_synced() -> list[float]:
+            gauges = gauge_by_ingress(url, SYNCED_AT)
+            return [v for i, v in gauges.items() if i not in before and v > 0]
+
+        seen = wait_for(lambda: len(new_synced()) >= 2, 120)
+        synced_at = new_synced()
+        s.wait_load()
+        answers = index_answers_by_ingress(url)
+        new = set(answers) - before
+        return s.report(
+            trace,
+            deploy_call_s=deployed,
+            ingress_replaced_s=replaced,
+            new_mirrors_synced_s=max(synced_at) - started_wall if synced_at else None,
+            new_mirrors_synced_seen_s=seen,
+            new_router_mirror_decisions=sum(answers[i].get("mirror", 0) for i in new),
+            new_router_unknown_decisions=sum(answers[i].get("unknown", 0) for i in new),
+            index_answers=answers,
+            since_restart_s=time.monotonic() - started,
+        )
+
+
 def overload(args: argparse.Namespace) -> dict[str, Any]:
     with _scenario(args, max_queued_requests=32) as s:
         rss_before = {r: st["rss_mb"] for r, st in s.stats().items()}
@@ -353,6 +401,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             redis_slow,
             events_lost,
             router_restart,
+            router_rolling_restart,
             overload,
             soak,
         )

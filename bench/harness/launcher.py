@@ -181,10 +181,27 @@ class ServeCluster:
         section. Serve treats that as a lightweight update: it starts or drains replicas and
         leaves the others (and their caches) alone. (Changing ``args`` instead would be a
         code update, which replaces every replica.)"""
+        self._redeploy([{"name": "EngineReplica", "num_replicas": num_replicas}], timeout_s)
+
+    def restart_ingress(self, generation: int, timeout_s: float = 120.0) -> None:
+        """Replace every ingress replica (each a router) the way a rolling upgrade does:
+        ``serve deploy`` with the ingress's actor options changed (an environment variable
+        naming the ``generation``), a heavyweight update of that deployment alone. Serve
+        starts new ingress replicas and drains the old ones (their open streams finish);
+        the engine replicas and their caches are left alone."""
+        options = {
+            "num_cpus": self.args.ingress_num_cpus,
+            "resources": self.args.ingress_resources,
+            "runtime_env": {"env_vars": {"PREFIX_SERVE_INGRESS_GENERATION": str(generation)}},
+        }
+        self._redeploy([{"name": "Ingress", "ray_actor_options": options}], timeout_s)
+
+    def _redeploy(self, deployments: list[dict[str, Any]], timeout_s: float) -> None:
+        """``serve deploy`` of this cluster's config with a ``deployments`` section."""
         config = serve_config(self.args, self.port)
-        config["applications"][0]["deployments"] = [
-            {"name": "EngineReplica", "num_replicas": num_replicas}
-        ]
+        if self.app_args is not None:
+            config["applications"][0]["args"] = self.app_args
+        config["applications"][0]["deployments"] = deployments
         path = self._dir / "redeploy.yaml"
         path.write_text(yaml.safe_dump(config))
         serve = Path(sys.executable).with_name("serve")
