@@ -184,11 +184,10 @@ class ServeCluster:
         self._redeploy([{"name": "EngineReplica", "num_replicas": num_replicas}], timeout_s)
 
     def restart_ingress(self, generation: int, timeout_s: float = 120.0) -> None:
-        """Replace every ingress replica (each a router) the way a rolling upgrade does:
-        ``serve deploy`` with the ingress's actor options changed (an environment variable
-        naming the ``generation``), a heavyweight update of that deployment alone. Serve
-        starts new ingress replicas and drains the old ones (their open streams finish);
-        the engine replicas and their caches are left alone."""
+        """Replace every ingress replica (each a router) as a rolling upgrade does: the
+        ingress's actor options changed (an environment variable naming ``generation``), a
+        heavyweight update of that deployment alone. Serve starts new ingress replicas and
+        drains the old (their open streams finish); engine replicas are left alone."""
         options = {
             "num_cpus": self.args.ingress_num_cpus,
             "resources": self.args.ingress_resources,
