@@ -3,7 +3,8 @@ instead of recomputing them, from which one, and what the router charges for it.
 
 A replica about to admit a request asks the index what every live replica has *published*
 of the prompt's chain; the one that has published the most is the source, if it holds at
-least ``min_blocks`` more leading blocks than the replica itself (``pull_source``). The
+least ``min_blocks`` more leading blocks than the replica has without it, in its own pool
+or in its node's store (``pull_source``). The
 replica (``replica.pull``), the router pricing a pull (``router.prefill_cost``) and the
 simulator (``bench.sim``) all call these functions, so they agree on when a pull happens.
 
@@ -47,17 +48,23 @@ class PullConfig(BaseModel):
     )
 
 
-def pull_source(states: Iterable[ReplicaState], replica_id: str, min_blocks: int) -> str | None:
+def pull_source(
+    states: Iterable[ReplicaState], replica_id: str, min_blocks: int, own_store: str = ""
+) -> str | None:
     """The replica ``replica_id`` would pull from: the one that has published the most of
     the chain (ties: the first listed), if that is ``min_blocks`` or more beyond what
-    ``replica_id`` has published itself; else None."""
+    ``replica_id`` has without a pull: what it has published itself, or what its node's
+    store (``own_store``, its index entry) holds, which it restores at admission without
+    a call into another replica; else None."""
     own, best = 0, None
     for state in states:
-        if is_store(state.replica_id):
-            continue  # a node's store is read by its node's replicas, not pulled from
         held = state.cached_blocks or 0
+        if is_store(state.replica_id):
+            if state.replica_id == own_store:
+                own = max(own, held)
+            continue  # a node's store is read by its node's replicas, not pulled from
         if state.replica_id == replica_id:
-            own = held
+            own = max(own, held)
         elif best is None or held > (best.cached_blocks or 0):
             best = state
     if best is None or (best.cached_blocks or 0) - own < min_blocks:

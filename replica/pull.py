@@ -30,6 +30,7 @@ from typing import Any
 from kvindex.config import IndexConfig
 from kvindex.pulls import PullConfig, pull_source
 from kvindex.reader import IndexReader
+from kvindex.records import store_id
 from replica.engine import Engine
 from replica.engine.transfer import import_prefix
 from replica.messages import EngineRequest, PullRequest
@@ -108,7 +109,8 @@ class Puller:
         answer = await self.reader.aquery(chain)
         if not answer:
             return None
-        return pull_source(answer.values(), self.replica_id, self.config.min_blocks)
+        own_store = store_id(self.node_id) if self.node_id else ""
+        return pull_source(answer.values(), self.replica_id, self.config.min_blocks, own_store)
 
     def _export_handle(self) -> Any:
         if self._handle is None:

@@ -27,7 +27,9 @@ in one rule set:
 * **Stores** (``store.enabled``; ours alone): a replica restores the blocks its node's
   store holds beyond its own (``kvindex.stored``), so those tokens cost a copy's price.
   A prefix evicted from every pool, or left by a replica that died, is still cheap on
-  every replica of the node that kept it.
+  every replica of the node that kept it, and counts as held by each of them: among a
+  node's replicas the cheapest is a stored prefix's holder, not the one that computed
+  it (stickiness there would buy no locality, only uneven batches).
 * **Ties** break in rendezvous order of the first block of the prompt beyond the longest
   run any replica holds (``tie_key``): the block where this prompt parts from what is
   cached, a new tenant's or a new conversation's first block of its own. Two ingress
@@ -139,9 +141,11 @@ class PrefillCost(RoutingPolicy):
         weights = rendezvous_weights(tie_key(request, int(most)), table)
         by_cost = cost_order(costs, weights)  # cost, then rendezvous order
         credits = cache_credits(request, table)
-        # holds the most; among those the cheapest, then rendezvous: the first in by_cost
-        holder = int(by_cost[np.argmax(held[by_cost] == most)])
-        if credits[holder] >= max(
+        kept = self._kept_blocks(table, held)
+        # keeps the most; among those the cheapest, then rendezvous: the first in by_cost
+        holder = int(by_cost[np.argmax(kept[by_cost] == kept.max())])
+        kept_tokens = min(int(kept[holder]) * request.block_size, request.usable_tokens)
+        if kept_tokens >= max(
             request.block_size, self.knobs.min_hit_fraction * request.usable_tokens
         ):
             sticky = costs[holder] <= costs[by_cost[0]] + self.knobs.sticky_budget_tokens
@@ -157,6 +161,16 @@ class PrefillCost(RoutingPolicy):
         names = table.id_array[shown].tolist()
         self._last = (reason, len(table), names, costs[shown].tolist())
         return Ranking(table.id_array, ranked)
+
+    def _kept_blocks(self, table: ReplicaTable, held: np.ndarray) -> np.ndarray:
+        """Leading blocks each replica has without recomputing or calling another replica:
+        what it holds, and with node stores what it restores from its node's. A prefix its
+        node's store keeps is as much a replica's as one in its pool, so among a node's
+        replicas the holder is the cheapest, not the one that last computed it."""
+        store = self.knobs.store
+        if store is None or not store.enabled:
+            return held
+        return np.maximum(held, table.column("stored_blocks"))
 
     def _new_prefix(
         self,

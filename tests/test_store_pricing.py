@@ -61,10 +61,53 @@ def test_the_router_prefers_a_replica_that_restores_over_one_that_recomputes() -
     assert plain.decide(req, flat).credit("b") == 0
 
 
+def test_a_prefix_its_nodes_store_keeps_is_every_node_replicas_so_the_cheapest_takes_it() -> None:
+    """Replica a computed the prefix and is a little dearer (one request more); b, on the
+    same node, restores it from the store: b takes the request, where without a store a
+    keeps it within the sticky budget. A replica of another node, without the store's
+    copy, is no holder."""
+    req = request(1, num_blocks=8, extra=0)
+    replicas = [state("a", cached_blocks=7, in_flight=2), state("b", in_flight=1), state("c")]
+    answer = {
+        "a": replicas[0],
+        "b": replicas[1],
+        "c": replicas[2],
+        store_id("n1"): state(store_id("n1"), cached_blocks=7),
+    }
+    nodes = {"a": "n1", "b": "n1", "c": "n2"}
+    knobs = {"decode_cost_tokens": 10, "sticky_budget_tokens": 512}
+    core = RoutingCore(PrefillCost(CostKnobs(**knobs, store=STORE)), stores=STORE)
+    table = core.states(["a", "b", "c"], answer, [], None, nodes)
+    assert core.decide(req, table).ranking[0] == "b"
+    plain = RoutingCore(PrefillCost(CostKnobs(**knobs)))
+    flat = plain.states(["a", "b", "c"], answer, [], None, nodes)
+    assert plain.decide(req, flat).ranking[0] == "a"  # sticky: 10 tokens dearer
+    # the store's copy on another node than the cheapest: the holder keeps it
+    nodes = {"a": "n1", "b": "n2", "c": "n2"}
+    table = core.states(["a", "b", "c"], answer, [], None, nodes)
+    assert core.decide(req, table).ranking[0] == "a"
+
+
 def test_a_store_is_never_a_pull_source() -> None:
     states = [state("a"), state(store_id("n1"), cached_blocks=8)]
     assert pull_source(states, "a", min_blocks=1) is None
     assert PullConfig().enabled is False
+
+
+def test_a_replica_pulls_only_what_its_own_nodes_store_cannot_restore() -> None:
+    """What the replica's node store holds it restores at admission without calling the
+    holder, so a pull needs ``min_blocks`` beyond the longer of its pool and its store;
+    another node's store is not its own."""
+    states = [
+        state("a", cached_blocks=2),
+        state("b", cached_blocks=10),
+        state(store_id("n1"), cached_blocks=8),
+        state(store_id("n2"), cached_blocks=10),
+    ]
+    assert pull_source(states, "a", min_blocks=2) == "b"  # no store of its own: 10 - 2
+    assert pull_source(states, "a", min_blocks=2, own_store=store_id("n1")) == "b"  # 10 - 8
+    assert pull_source(states, "a", min_blocks=3, own_store=store_id("n1")) is None
+    assert pull_source(states, "a", min_blocks=1, own_store=store_id("n2")) is None
 
 
 def _store() -> NodeStore:

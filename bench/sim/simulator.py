@@ -227,8 +227,9 @@ class Simulation:
         chain = pending.route.block_hashes
         if len(chain) < self.pull.min_blocks:
             return None
-        answer = self.index.query(chain, list(self.replicas), t)
-        source = pull_source(answer.values(), rid, self.pull.min_blocks)
+        answer = self.index.query(chain, self._entries, t)
+        own_store = store_id(self.nodes[rid]) if self.store is not None else ""
+        source = pull_source(answer.values(), rid, self.pull.min_blocks, own_store)
         if source is None:
             return None
         holder = self.replicas[source]
