@@ -94,6 +94,14 @@ bench: install
 	$(BENCH_ROUTING) --workload multi_tenant --tenants 8 --zipf 2.0 --requests 160 --rates 5 \
 	    --policies round_robin,prefill_cost,prefill_cost+pull,ray_prefix \
 	    --out results/routing-hot_tenant-pull
+	$(BENCH_ROUTING) --workload multi_tenant --tenants 24 --zipf 0.6 --requests 120 --rates 6 \
+	    --repeats 8 --policies round_robin,prefill_cost+pull --out results/routing-6rps-pull-kept
+	$(BENCH_ROUTING) --workload multi_tenant --tenants 8 --zipf 2.0 --requests 160 --rates 5 \
+	    --repeats 4 --policies round_robin,prefill_cost+pull \
+	    --out results/routing-hot_tenant-pull-kept-4
+	$(BENCH_ROUTING) --workload multi_turn --conversations 12 --requests 120 --rates 1.5 \
+	    --repeats 2 --policies round_robin,prefill_cost+pull \
+	    --out results/routing-multi_turn-pull-kept
 	$(BENCH_ROUTING) --workload multi_tenant --tenants 24 --zipf 0.6 --requests 160 --rates 4 \
 	    --repeats 2 --policies round_robin,prefill_cost,ray_default,ray_prefix \
 	    --out results/routing-multi_tenant
