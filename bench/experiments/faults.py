@@ -269,11 +269,7 @@ def router_restart(args: argparse.Namespace) -> dict[str, Any]:
     synced (its ``synced_at`` gauge, exact to its own clock; seen once it shares its
     metrics, every 5 s), and, if the proxy sends it any, it decides from the mirror."""
     with _scenario(args, index={"mirror": True}, ingress_replicas=2) as s:
-        trace = fault_trace(args.rate, args.duration_s)
-        s.load(trace)
-        time.sleep(args.duration_s * 0.3)
-        url = s.cluster.base_url
-        before = set(index_answers_by_ingress(url)) | set(gauge_by_ingress(url, SYNCED_AT))
+        trace, url, before = _routers_under_load(s, args)
         victim = s.cluster.replica_pids("Ingress")[0]
         os.kill(victim, signal.SIGKILL)
         killed, killed_wall = time.monotonic(), time.time()
@@ -306,17 +302,25 @@ def router_restart(args: argparse.Namespace) -> dict[str, Any]:
 SYNCED_AT = "prefix_serve_index_mirror_synced_at_seconds"
 
 
+def _routers_under_load(
+    s: Scenario, args: argparse.Namespace
+) -> tuple[list[TraceRequest], str, set[str]]:
+    """The router scenarios' start: load running for 30% of it, and the ingress replicas
+    seen so far (by their metrics' label), so the new ones can be told apart."""
+    trace = fault_trace(args.rate, args.duration_s)
+    s.load(trace)
+    time.sleep(args.duration_s * 0.3)
+    url = s.cluster.base_url
+    return trace, url, set(index_answers_by_ingress(url)) | set(gauge_by_ingress(url, SYNCED_AT))
+
+
 def router_rolling_restart(args: argparse.Namespace) -> dict[str, Any]:
     """Two ingress replicas replaced under load as a rolling upgrade replaces them: Serve
     starts new ones and drains the old (their open streams finish there), so no request
     should fail. Converged: every ingress is new and each new router's mirror is synced;
     what the new routers decided from their mirrors, and without the index, is counted."""
     with _scenario(args, index={"mirror": True}, ingress_replicas=2) as s:
-        trace = fault_trace(args.rate, args.duration_s)
-        s.load(trace)
-        time.sleep(args.duration_s * 0.3)
-        url = s.cluster.base_url
-        before = set(index_answers_by_ingress(url)) | set(gauge_by_ingress(url, SYNCED_AT))
+        trace, url, before = _routers_under_load(s, args)
         old = set(s.cluster.replica_pids("Ingress"))
         started, started_wall = time.monotonic(), time.time()
         s.cluster.restart_ingress(generation=1)
