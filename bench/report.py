@@ -259,10 +259,9 @@ def _recovery(name: str, r: dict[str, Any]) -> str:
     if name == "events_lost":
         return f"gap seen and mirror resynced in {_s(r.get('gap_seen_and_resynced_s'))}"
     if name in ("router_restart", "router_rolling_restart"):
-        synced = r.get("new_mirror_synced_s", r.get("new_mirrors_synced_s"))
         return (
             f"ingress replaced in {_s(r.get('ingress_replaced_s'))}, new mirror synced "
-            f"{_s(synced)} after; new routers' decisions from the mirror: "
+            f"{_s(r.get('new_mirror_synced_s'))} after; new routers' decisions from the mirror: "
             f"{r.get('new_router_mirror_decisions', 0):.0f}"
         )
     return f"{r.get('duration_s', 0):.0f} s of mixed load"
