@@ -46,8 +46,14 @@ class PrefillCostRouting(_OurRouting):
     new_prefix_slack: float = Field(
         0.0,
         ge=0,
-        description="a new prefix may go this many prefills above the cheapest (to a smaller "
-        "cache footprint); 0: the cheapest, footprint breaking ties",
+        description="a new prefix may go this many prefills above the cheapest (to the one "
+        "that did the least recent work); 0: the cheapest, recent work breaking ties",
+    )
+    work_half_life_tokens: int = Field(
+        16384,
+        gt=0,
+        description="recent work (what a new prefix's placement balances) halves for every "
+        "this many tokens routed per replica",
     )
     min_hit_fraction: float = Field(
         0.5, ge=0, le=1, description="held by no one past this share: a new prefix"
@@ -115,6 +121,7 @@ def make_policy(
             config.sticky_budget_tokens,
             config.new_prefix_slack,
             config.min_hit_fraction,
+            config.work_half_life_tokens,
             pull if pull is not None and pull.enabled else None,
             store if store is not None and store.enabled else None,
         )

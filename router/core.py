@@ -59,6 +59,11 @@ class Decision:
         return 0 if k is None else int(self._credit[k])
 
     @property
+    def candidates(self) -> int:
+        """How many replicas were ranked."""
+        return len(self._table)
+
+    @property
     def credits(self) -> dict[str, int]:
         return dict(zip(self._table.ids, self._credit.tolist(), strict=True))
 
@@ -205,7 +210,6 @@ class RoutingCore:
     def routed(self, decision: Decision, replica_id: str) -> Booking:
         """The request went to ``replica_id`` (not always the first choice): book it."""
         request = decision.request
-        self.policy.on_routed(request, replica_id)
         if self.recent is not None:
             self.recent.record(replica_id, request.block_hashes)
         booking = Booking(
@@ -215,6 +219,8 @@ class RoutingCore:
             decode_blocks=request.decode_blocks,
             block_hashes=request.block_hashes,
         )
+        work = booking.prefill_tokens + request.max_tokens  # what it will run there
+        self.policy.on_routed(request, replica_id, work, decision.candidates)
         self.bookings.book(booking)
         return booking
 

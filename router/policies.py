@@ -78,8 +78,11 @@ class RoutingPolicy(abc.ABC):
     name: str
     uses_index = False  # whether ``rank`` reads the cache fields (the caller then asks)
 
-    def on_routed(self, request: RoutingRequest, replica_id: str) -> None:  # noqa: B027
-        """The request ranked last went to ``replica_id`` (not always the first choice)."""
+    def on_routed(  # noqa: B027
+        self, request: RoutingRequest, replica_id: str, work_tokens: int = 0, replicas: int = 1
+    ) -> None:
+        """The request ranked last went to ``replica_id`` (not always the first choice), to
+        run ``work_tokens`` there (uncached prompt and output), one of ``replicas``."""
 
     @abc.abstractmethod
     def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> Sequence[str]:
@@ -217,7 +220,9 @@ class RoundRobin(RoutingPolicy):
     def __init__(self) -> None:
         self._last = ""
 
-    def on_routed(self, request: RoutingRequest, replica_id: str) -> None:
+    def on_routed(
+        self, request: RoutingRequest, replica_id: str, work_tokens: int = 0, replicas: int = 1
+    ) -> None:
         self._last = replica_id
 
     def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> list[str]:

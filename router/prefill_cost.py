@@ -15,11 +15,12 @@ in one rule set:
   its demand grows, instead of queueing behind one (Ray's collapse on a hot tenant).
 * **New prefixes** (Ray's sharding, without SGLang's death spiral): when no replica holds
   at least ``min_hit_fraction`` of the prompt (a new tenant shares only a chat template's
-  head with the others), it goes to the replica owning the fewest cached blocks among
-  those within ``new_prefix_slack`` prefills of the cheapest, so tenants spread over
-  disjoint caches, but never onto a busy replica (load here leaves out the credit for a
-  short held head). The default slack is 0: the least loaded, footprint breaking ties
-  (docs/decisions.md says why).
+  head with the others), it goes to the replica that did the least recent work
+  (``router.recent_work``) among those within ``new_prefix_slack`` prefills of the
+  cheapest, so tenants and conversations spread by the work they bring back, but never
+  onto a busy replica (load here leaves out the credit for a short held head). The
+  default slack is 0: the least loaded, recent work breaking ties (docs/decisions.md
+  says why).
 * **Pulls** (``pull.enabled``; ours alone): a replica that lacks a prefix another replica
   has published pulls it instead of recomputing it, so its cost counts those tokens at the
   pull's price (``kvindex.pulls``), a few percent of a prefill. A busy holder then loses a
@@ -59,6 +60,7 @@ from router.policies import (
     cost_order,
     rendezvous_weights,
 )
+from router.recent_work import RecentWork
 
 EXPLAINED = 8  # replicas an explanation lists (the choice and the cheapest)
 
@@ -71,6 +73,7 @@ class CostKnobs:
     sticky_budget_tokens: int = 512
     new_prefix_slack: float = 0.0
     min_hit_fraction: float = 0.5
+    work_half_life_tokens: int = 16384
     pull: PullConfig | None = None  # the replicas pull prefixes: price a pull, not a prefill
     store: StoreConfig | None = None  # node stores: price a restore, not a prefill
 
@@ -94,6 +97,7 @@ class PrefillCost(RoutingPolicy):
 
     def __init__(self, knobs: CostKnobs = CostKnobs()) -> None:
         self.knobs = knobs
+        self.recent_work = RecentWork(knobs.work_half_life_tokens)
         # the last decision: why, among how many, the first replicas ranked and their costs
         self._last: tuple[str, int, list[str], list[int]] = ("", 0, [], [])
 
@@ -162,6 +166,11 @@ class PrefillCost(RoutingPolicy):
         self._last = (reason, len(table), names, costs[shown].tolist())
         return Ranking(table.id_array, ranked)
 
+    def on_routed(
+        self, request: RoutingRequest, replica_id: str, work_tokens: int = 0, replicas: int = 1
+    ) -> None:
+        self.recent_work.record(replica_id, work_tokens, replicas)
+
     def _kept_blocks(self, table: ReplicaTable, held: np.ndarray) -> np.ndarray:
         """Leading blocks each replica has without recomputing or calling another replica:
         what it holds, and with node stores what it restores from its node's. A prefix its
@@ -179,7 +188,8 @@ class PrefillCost(RoutingPolicy):
         load: np.ndarray,
         weights: np.ndarray,
     ) -> int:
-        """The replica owning the fewest cached blocks among the near-cheapest ones.
+        """The replica that did the least recent work among the near-cheapest ones
+        (``router.recent_work``: a new prefix brings its later requests with it).
 
         Cost here is load only (``load``: the cost with the cache credit added back): the
         credit for a held head below ``min_hit_fraction`` (a chat template's first blocks,
@@ -190,8 +200,8 @@ class PrefillCost(RoutingPolicy):
         load = load + self._pull_saving(request, table)
         slack = self.knobs.new_prefix_slack * request.num_prompt_tokens
         near = np.flatnonzero(load <= load.min() + slack)
-        footprint = table.column("footprint_blocks")[near]
-        return int(near[cheapest(footprint, weights[near])])
+        work = self.recent_work.column(table.id_array[near].tolist())
+        return int(near[cheapest(work, weights[near])])
 
     def explain(self) -> str:
         reason, among, ranked, costs = self._last

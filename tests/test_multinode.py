@@ -175,7 +175,7 @@ def test_a_worker_node_dies_and_comes_back(nodes: ThreeNodes, cluster) -> None:
     assert set(placed.values()) == {w.node_id for w in nodes.workers}
     assert len(live_replicas(cluster)) == 2
     (new_replica,) = set(placed) - set(original)
-    # new tenants (new system prompts) go where the footprint is smallest: the new replica
+    # new tenants (new system prompts) go where the least recent work was: the new replica
     tenants = [f"Tenant {i} sells only bicycles and answers in French. " * 4 for i in range(4)]
     served = {chat(cluster, "Hello?", t).headers["x-replica-id"] for t in tenants}
     assert new_replica in served

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import numpy as np
 
@@ -11,6 +12,7 @@ from kvindex.hashing import BlockHasher
 from kvindex.pulls import PullConfig, with_pullable
 from kvindex.records import ReplicaState, RoutingRequest
 from router.config import make_policy, routing_config
+from router.core import RoutingCore
 from router.policies import (
     BoundedLoad,
     CacheAware,
@@ -220,33 +222,60 @@ def test_prefill_cost_sticks_to_the_holder_within_its_budget_then_spills() -> No
     assert ranked == ["b", "c", "a"]  # then by cost: every replica, so a full one spills
 
 
-def test_a_new_prefix_goes_to_the_smallest_footprint_among_the_near_cheapest() -> None:
+def worked(policy: PrefillCost, **tokens: int) -> PrefillCost:
+    """``policy`` after it routed ``tokens[rid]`` tokens of work to each replica."""
+    for rid, n in tokens.items():
+        policy.on_routed(request(0), rid, n, len(tokens))
+    return policy
+
+
+def test_a_new_prefix_goes_to_the_least_recent_work_among_the_near_cheapest() -> None:
     req = request(9, num_blocks=4)  # 69 tokens, held nowhere
-    policy = cost_policy(decode_cost_tokens=0, new_prefix_slack=1.0)
+    policy = worked(cost_policy(decode_cost_tokens=0, new_prefix_slack=1.0), a=500, b=40, c=90)
     replicas = [
-        state("a", footprint_blocks=500),
-        state("b", footprint_blocks=40, booked_prefill_tokens=300),  # small but too busy
-        state("c", footprint_blocks=90, booked_prefill_tokens=40),  # within one prefill
+        state("a"),
+        state("b", booked_prefill_tokens=300),  # did little but too busy now
+        state("c", booked_prefill_tokens=40),  # within one prefill
     ]
     assert policy.rank(req, replicas)[0] == "c"
     assert policy.explain().startswith("prefill_cost new prefix: c")
     # a short held head (a chat template's) is no hit: still placed as a new prefix
-    replicas[0] = state("a", cached_blocks=1, footprint_blocks=500)
+    replicas[0] = state("a", cached_blocks=1)
     assert policy.rank(req, replicas)[0] == "c"
-    replicas[0] = state("a", cached_blocks=2, footprint_blocks=500)  # 32 of 64 usable: a hit
+    replicas[0] = state("a", cached_blocks=2)  # 32 of 64 usable: a hit
     assert policy.rank(req, replicas)[0] == "a"
+
+
+def test_a_routed_prefix_brings_its_work_so_new_prefixes_spread_by_work_done() -> None:
+    """Through the routing core: each request's work (uncached prompt and output) is
+    recorded where it went, so idle replicas take new prefixes in turn of work done, not
+    of whichever a tie favours (a conversation placed there brings its later turns)."""
+    core = RoutingCore(cost_policy(decode_cost_tokens=0))
+    idle = [state(r) for r in "abcd"]
+    placed = []
+    for seed in range(40, 48):
+        req = replace(request(seed, num_blocks=4), max_tokens=10)
+        decision = core.decide(req, idle)
+        placed.append(decision.ranking[0])
+        core.routed(decision, decision.ranking[0])
+    assert sorted(placed) == sorted("abcd" * 2)  # equal work: each took two
+    # b did more (a long prompt): the next two new prefixes go elsewhere
+    long = replace(request(50, num_blocks=40), max_tokens=10)
+    core.routed(core.decide(long, [state("b"), state("a")]), "b")
+    for seed in (60, 61):
+        assert core.decide(request(seed, num_blocks=4), idle).ranking[0] != "b"
 
 
 def test_a_held_template_head_does_not_pull_every_new_prefix_onto_one_replica() -> None:
     """With slack 0, the credit of a held head below the hit threshold (a chat template's
-    first blocks) must not decide: idle replicas are equal, and the smaller cache wins."""
+    first blocks) must not decide: idle replicas are equal, and the one that did less wins."""
     req = request(9, num_blocks=4)  # 69 tokens, 64 usable: a hit needs 32 cached
-    policy = cost_policy(decode_cost_tokens=0, new_prefix_slack=0.0)
-    replicas = [state("a", cached_blocks=1, footprint_blocks=40), state("b", footprint_blocks=0)]
+    policy = worked(cost_policy(decode_cost_tokens=0, new_prefix_slack=0.0), a=40, b=1)
+    replicas = [state("a", cached_blocks=1), state("b")]
     assert policy.rank(req, replicas)[0] == "b"
     assert policy.explain() == "prefill_cost new prefix: b b=69 a=53"
     # but load still decides first: b busier by one token loses to a
-    replicas[1] = state("b", footprint_blocks=0, booked_prefill_tokens=1)
+    replicas[1] = state("b", booked_prefill_tokens=1)
     assert policy.rank(req, replicas)[0] == "a"
 
 
@@ -395,14 +424,11 @@ def test_prefill_cost_edges_of_hit_stickiness_and_slack_are_inclusive() -> None:
     assert policy.rank(req, edge) == ["a", "b", "c"]
     assert policy.explain() == "prefill_cost sticky: a a=333 b=133 c=133"
     short = request(9, num_blocks=4)  # 69 tokens, 64 usable: a hit needs 32 cached
-    slack = cost_policy(decode_cost_tokens=0, new_prefix_slack=1.0)
-    half = [state("a", cached_blocks=2, footprint_blocks=500), state("b")]
+    slack = worked(cost_policy(decode_cost_tokens=0, new_prefix_slack=1.0), a=500, b=10)
+    half = [state("a", cached_blocks=2), state("b")]
     assert slack.rank(short, half)[0] == "a"  # exactly half held: a hit, not a new prefix
-    # a new prefix: b, exactly one prefill (69) dearer than a, is near enough, and smaller
-    near = [
-        state("a", footprint_blocks=500),
-        state("b", footprint_blocks=10, booked_prefill_tokens=69),
-    ]
+    # a new prefix: b, exactly one prefill (69) dearer than a, is near enough, and did less
+    near = [state("a"), state("b", booked_prefill_tokens=69)]
     assert slack.rank(short, near)[0] == "b"
     assert slack.explain() == "prefill_cost new prefix: b b=138 a=69"
 
@@ -430,10 +456,8 @@ def test_twin_holders_break_their_tie_in_rendezvous_order_not_list_order() -> No
 def test_a_new_prefixs_load_leaves_out_what_a_pull_would_save() -> None:
     """A new prefix is placed by load alone, leaving out what a pull would save."""
     req = request(21, num_blocks=16)  # 261 tokens; a's 5 blocks are no hit (80 < 128)
-    policy = cost_policy(decode_cost_tokens=0, pull=PullConfig(enabled=True))
-    replicas = with_pullable(
-        [state("a", cached_blocks=5, footprint_blocks=10), state("b", footprint_blocks=100)]
-    )
+    policy = worked(cost_policy(decode_cost_tokens=0, pull=PullConfig(enabled=True)), a=10, b=100)
+    replicas = with_pullable([state("a", cached_blocks=5), state("b")])
     assert policy.costs(req, replicas) == {"a": 261 - 80, "b": 261 - (80 - 31 - 4)}
     assert policy.rank(req, replicas) == ["a", "b"]
     assert policy.explain() == "prefill_cost new prefix: a a=181 b=216"

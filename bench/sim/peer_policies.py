@@ -56,7 +56,9 @@ class _TextTreePolicy(RoutingPolicy):
     def __init__(self) -> None:
         self.prefixes = RoutedPrefixes()
 
-    def on_routed(self, request: RoutingRequest, replica_id: str) -> None:
+    def on_routed(
+        self, request: RoutingRequest, replica_id: str, work_tokens: int = 0, replicas: int = 1
+    ) -> None:
         self.prefixes.add(request, replica_id)
 
     def loads_and_matches(
