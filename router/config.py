@@ -17,6 +17,7 @@ from kvindex.pulls import PullConfig
 from kvindex.stored import StoreConfig
 from router.policies import BoundedLoad, CacheAware, PrefixAffinity, RoundRobin, RoutingPolicy
 from router.prefill_cost import CostKnobs, PrefillCost
+from router.recent_work import HALF_LIFE_TOKENS
 
 
 class _Routing(BaseModel):
@@ -50,7 +51,7 @@ class PrefillCostRouting(_OurRouting):
         "that did the least recent work); 0: the cheapest, recent work breaking ties",
     )
     work_half_life_tokens: int = Field(
-        16384,
+        HALF_LIFE_TOKENS,
         gt=0,
         description="recent work (what a new prefix's placement balances) halves for every "
         "this many tokens routed per replica",

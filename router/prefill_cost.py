@@ -60,7 +60,7 @@ from router.policies import (
     cost_order,
     rendezvous_weights,
 )
-from router.recent_work import RecentWork
+from router.recent_work import HALF_LIFE_TOKENS, RecentWork
 
 EXPLAINED = 8  # replicas an explanation lists (the choice and the cheapest)
 
@@ -73,7 +73,7 @@ class CostKnobs:
     sticky_budget_tokens: int = 512
     new_prefix_slack: float = 0.0
     min_hit_fraction: float = 0.5
-    work_half_life_tokens: int = 16384
+    work_half_life_tokens: int = HALF_LIFE_TOKENS
     pull: PullConfig | None = None  # the replicas pull prefixes: price a pull, not a prefill
     store: StoreConfig | None = None  # node stores: price a restore, not a prefill
 

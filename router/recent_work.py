@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 RESCALE_AT = 1e200  # the factor is folded back into the scores before floats overflow
+HALF_LIFE_TOKENS = 16384  # the default: about one conversation's life (docs/decisions.md)
 FORGOTTEN = 1e-6  # a score decayed below this many tokens is dropped at a rescale
 
 
@@ -36,7 +37,7 @@ class RecentWork:
 
     Invariant: a replica's decayed score is ``_scores[rid] / _scale``; ``_scale >= 1``."""
 
-    def __init__(self, half_life_tokens: int = 16384) -> None:
+    def __init__(self, half_life_tokens: int = HALF_LIFE_TOKENS) -> None:
         if half_life_tokens < 1:
             raise ValueError("half_life_tokens must be >= 1")
         self.half_life_tokens = half_life_tokens
