@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 RESCALE_AT = 1e200  # the factor is folded back into the scores before floats overflow
-HALF_LIFE_TOKENS = 16384  # the default: about one conversation's life (docs/decisions.md)
+HALF_LIFE_TOKENS = 16384  # the default: about one conversation's life (docs/results.md)
 FORGOTTEN = 1e-6  # a score decayed below this many tokens is dropped at a rescale
 
 
