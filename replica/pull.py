@@ -11,7 +11,8 @@ object store. The request then hits them like any local prefix, and
 Nothing waits on a pull for long: the index answers within its own timeout, the pull has
 ``timeout_s``; a late, failed or refused pull costs a recompute, never an error or a wrong
 token. Counted per replica: pulls, blocks and bytes pulled, seconds spent, failed pulls
-(timeout, dead or busy holder) and refused blocks (verification).
+(timeout, dead or busy holder) and the seconds they waited, and refused blocks
+(verification).
 
 Known limit: once a replica holds a Serve handle (its first pull), a SIGTERM sent to its
 process alone no longer ends it (Ray's handler never runs; the process stays until Serve or
@@ -45,6 +46,7 @@ class PullCounters:
     pulled_bytes: int = 0
     pull_seconds: float = 0.0
     pulls_failed: int = 0
+    failed_pull_seconds: float = 0.0  # waited on pulls that failed (a recompute followed)
     pulls_shared_memory: int = 0  # of ``pulls``: read from a same-node holder's pool
     pull_blocks_refused: int = 0
 
@@ -90,6 +92,7 @@ class Puller:
             )
         except Exception as exc:  # late, dead or refusing holder: recompute instead
             self.counters.pulls_failed += 1
+            self.counters.failed_pull_seconds += time.monotonic() - start
             log.warning("pull from %s failed: %s", holder, type(exc).__name__)
             return
         result = await self.run_on_engine(

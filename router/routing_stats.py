@@ -47,6 +47,7 @@ _REPLICA_KEYS = (
     "pulled_bytes",
     "pull_seconds",
     "pulls_failed",
+    "failed_pull_seconds",
     "pull_blocks_refused",
     "store_spilled_blocks",
     "store_spill_dropped",

@@ -186,8 +186,11 @@ def test_a_holder_killed_mid_pull_fails_the_pull_by_its_deadline_and_the_answer_
 ) -> None:
     """The holder is frozen (SIGSTOP) once it has published, so the other replica's pull
     waits on it; it is SIGKILLed while the pull waits. The pull fails (counted), the prompt
-    is still served with the same greedy answer, and nothing waits past the pull's deadline
-    for the dead holder."""
+    is still served with the same greedy answer, and the pull waited no longer than its
+    deadline for the dead holder. The deadline is judged by the survivor's own count of the
+    seconds failed pulls waited, not by the request's latency: after the pull, the prefix's
+    recompute shares 2 cores with Serve starting the holder's replacement, and on a slow host
+    that took 3.3 s (a CI run)."""
     pids = live_replica_pids(cluster)
     # a dozen blocks: enough to pull (``min_blocks``), short enough that its recompute on a
     # survivor sharing 2 cores with Serve's replacement of the holder stays well under 3 s
@@ -195,23 +198,27 @@ def test_a_holder_killed_mid_pull_fails_the_pull_by_its_deadline_and_the_answer_
     first, holder = chat(cluster, system, "M?")
     published(cluster, system, "M?", holder)
     (survivor,) = set(pids) - {holder}
-    failed = cluster.stats()["replicas"][survivor].get("pulls_failed") or 0
+    before = cluster.stats()["replicas"][survivor]
+    failed = before.get("pulls_failed") or 0
+    waited = before.get("failed_pull_seconds") or 0.0
     os.kill(pids[holder], signal.SIGSTOP)
     try:
         with ThreadPoolExecutor(1) as pool:
-            start = time.monotonic()
             pending = pool.submit(chat, cluster, system, "M?")
             time.sleep(0.5)  # the survivor's pull is waiting on the frozen holder
             os.kill(pids[holder], signal.SIGKILL)
-            second, served_on = pending.result(timeout=60)
-            took = time.monotonic() - start
+            second, served_on = pending.result(timeout=60)  # nothing waits forever
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pids[holder], signal.SIGKILL)
     assert served_on == survivor
     assert second.choices[0].message.content == first.choices[0].message.content
-    assert took < PullConfig().timeout_s + 3, took  # the deadline, then a fast prefill
     assert counter(cluster, survivor, "pulls_failed", failed) == failed + 1
+    stats = cluster.stats()["replicas"][survivor]  # the failed pull's counters, together
+    pull_waited = stats["failed_pull_seconds"] - waited
+    # it waited on the frozen holder, and no longer than its deadline (plus the event loop's
+    # slack on a loaded host)
+    assert 0 < pull_waited < PullConfig().timeout_s + 0.5, pull_waited
     assert cluster.stats()["replicas"][survivor]["audit_error"] is None
 
 
