@@ -54,6 +54,13 @@ class EngineConfig(BaseModel):
     )
     max_model_len: int | None = Field(None, gt=0, description="Defaults to the model's.")
     enable_prefix_cache: bool = True
+    protected_fraction: float = Field(
+        0.8,
+        ge=0.0,
+        le=1.0,
+        description="share of the pool that cached blocks hit since they were computed (or "
+        "copied in) may keep against blocks used once (segmented LRU); 0: plain LRU",
+    )
     seed: int = 0
     dtype: Literal["auto", "float32", "float64", "bfloat16"] = Field(
         "auto", description="auto: bfloat16 where the CPU has native bfloat16, else float32"

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from kvindex.pulls import PullConfig
 from kvindex.stored import StoreConfig
 from router.policies import BoundedLoad, CacheAware, PrefixAffinity, RoundRobin, RoutingPolicy
-from router.prefill_cost import CostKnobs, PrefillCost
+from router.prefill_cost import STICKY_BUDGET_TOKENS, CostKnobs, PrefillCost
 from router.recent_work import HALF_LIFE_TOKENS
 
 
@@ -42,7 +42,9 @@ class PrefillCostRouting(_OurRouting):
     policy: Literal["prefill_cost"] = "prefill_cost"
     decode_cost_tokens: int = Field(16, ge=0, description="one running request, in prompt tokens")
     sticky_budget_tokens: int = Field(
-        512, ge=0, description="how much dearer the holder of a prefix may be and keep it"
+        STICKY_BUDGET_TOKENS,
+        ge=0,
+        description="how much dearer the holder of a prefix may be and keep it",
     )
     new_prefix_slack: float = Field(
         0.0,

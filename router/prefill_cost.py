@@ -63,6 +63,10 @@ from router.policies import (
 from router.recent_work import HALF_LIFE_TOKENS, RecentWork
 
 EXPLAINED = 8  # replicas an explanation lists (the choice and the cheapest)
+# how much dearer than the cheapest the holder of a prefix may be and keep its requests:
+# 768 keeps a tenant's repeats together better than 512 with the segmented LRU's protected
+# hits, at a tail still under round robin's (docs/results.md, "Hits that come back")
+STICKY_BUDGET_TOKENS = 768
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,7 @@ class CostKnobs:
     """The policy's knobs (``RoutingConfig`` fields of the same names)."""
 
     decode_cost_tokens: int = 16
-    sticky_budget_tokens: int = 512
+    sticky_budget_tokens: int = STICKY_BUDGET_TOKENS
     new_prefix_slack: float = 0.0
     min_hit_fraction: float = 0.5
     work_half_life_tokens: int = HALF_LIFE_TOKENS

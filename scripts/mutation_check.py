@@ -39,7 +39,7 @@ MUTATIONS = [
      NEWEST, "victim = seq", PREEMPT),
     ("cached blocks not available (preempt before evicting)",
      "replica/engine/block_allocator.py",
-     "return len(self._free) + len(self._cached)", "return len(self._free)", PREEMPT),
+     "return len(self._free) + self.num_cached", "return len(self._free)", PREEMPT),
     ("temperature ignored", "replica/sampling/sampler.py",
      "torch.softmax(logits / seq.params.temperature, dim=-1)", "torch.softmax(logits, dim=-1)",
      RULES + "test_temperature_divides_the_logits"),
@@ -114,6 +114,13 @@ MUTATIONS = [
      "            pass",
      "test_store_pricing.py::"
      "test_the_router_prefers_a_replica_that_restores_over_one_that_recomputes"),
+    ("a hit block is not protected from one-off prompts", "replica/engine/block_allocator.py",
+     "        self._hit[block] = 1\n", "        pass\n",
+     "test_eviction.py::test_a_prompt_seen_once_is_evicted_before_a_prefix_that_was_hit"),
+    ("protected blocks beyond the cap demoted newest first", "replica/engine/block_allocator.py",
+     "self._protected.popitem(last=False)", "self._protected.popitem(last=True)",
+     "test_eviction.py::"
+     "test_protected_blocks_beyond_the_cap_go_back_on_probation_least_recent_first"),
 ]  # fmt: skip
 ASSERTION = re.compile(r"^E\s+(AssertionError|assert )", re.M)
 

@@ -27,8 +27,21 @@ class BlockAllocator:
 
     * free: ref count 0, holds nothing anyone wants;
     * cached: ref count 0, holds a block published in ``cache``; kept until its memory is
-      needed, then evicted least recently released first;
+      needed, then evicted (below);
     * in use: ref count > 0.
+
+    Cached blocks are a segmented LRU: a block hit since it was computed (``mark_hit``) is
+    *protected*, one used only by the request that computed it is *on probation*, and
+    probation is evicted first, least recently released first. Protected blocks may fill
+    ``protected_fraction`` of the pool; beyond that the least recently released of them goes
+    back on probation (most recent there). A prompt seen once (most of a long-tailed
+    tenant mix) then passes through the pool without pushing out the prompts that come
+    back. A block copied in (a pull, a restore) is on probation like one computed here: the
+    request that brought it is its first use, not a hit (a pulled copy of a hot tenant's
+    prefix then does not crowd out the unique blocks around it). With
+    ``protected_fraction`` 0 it is plain LRU. A parent is never evicted before its
+    child: a child hit means its parent was hit, and a sequence releases its blocks tail
+    first, so in either segment the child is the older.
 
     Whether a block is published is known only to ``cache`` (one source of truth): a block
     released to ref count 0 becomes cached if the cache has it, free otherwise. ``allocate``
@@ -38,9 +51,17 @@ class BlockAllocator:
     the allocation that follows it. Ref counts never go negative.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, cache: BlockCache | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        cache: BlockCache | None = None,
+        protected_fraction: float = 0.0,
+    ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
+        if not 0.0 <= protected_fraction <= 1.0:
+            raise ValueError("protected_fraction must be in [0, 1]")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.cache = cache
@@ -49,7 +70,11 @@ class BlockAllocator:
         # can be reused: a peer copying the block checks it before and after (``transfer``)
         self.generations: MutableSequence[int] = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
-        self._cached: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self._probation: OrderedDict[int, None] = OrderedDict()  # LRU first: evicted first
+        self._protected: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self._hit = bytearray(num_blocks)  # hit since it was computed (``mark_hit``)
+        self._copied = bytearray(num_blocks)  # copied in, not hit since (``mark_copied``)
+        self.max_protected = int(protected_fraction * num_blocks)
         # told of every block that becomes cached (the node store spills it: replica.store)
         self.on_cached: Callable[[int], None] | None = None
 
@@ -59,23 +84,36 @@ class BlockAllocator:
 
     @property
     def num_cached(self) -> int:
-        return len(self._cached)
+        return len(self._probation) + len(self._protected)
 
     @property
     def num_in_use(self) -> int:
-        return self.num_blocks - len(self._free) - len(self._cached)
+        return self.num_blocks - len(self._free) - self.num_cached
 
     @property
     def num_available(self) -> int:
         """Blocks ``allocate`` can hand out now, evicting cached ones if needed."""
-        return len(self._free) + len(self._cached)
+        return len(self._free) + self.num_cached
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def eviction_order(self) -> list[int]:
         """Cached blocks, the next to be evicted first."""
-        return list(self._cached)
+        return [*self._probation, *self._protected]
+
+    def mark_hit(self, block: int) -> None:
+        """``block`` served a prefix hit: once released, it is protected (see the class).
+        The first hit of a block copied in is the request that brought it, as if computed
+        here: it does not count."""
+        if self._copied[block]:
+            self._copied[block] = 0
+            return
+        self._hit[block] = 1
+
+    def mark_copied(self, block: int) -> None:
+        """``block`` was copied in (pulled or restored) for a request about to hit it."""
+        self._copied[block] = 1
 
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks with ref count 1. Raises ``OutOfBlocksError`` (changing nothing)."""
@@ -84,18 +122,20 @@ class BlockAllocator:
         blocks = []
         while len(blocks) < n:
             if not self._free:
-                self.evict(next(iter(self._cached)))
+                self.evict(self._next_victim())
             block = self._free.popleft()
             self.ref_counts[block] = 1
+            self._hit[block] = self._copied[block] = 0
             blocks.append(block)
         return blocks
 
     def share(self, block: int) -> None:
         """One more holder of a block in use, or revive a cached one (ref count 0 -> 1)."""
         if self.ref_counts[block] == 0:
-            if block not in self._cached:
+            segment = self._segment(block)
+            if segment is None:
                 raise ValueError(f"block {block} is free: only in-use or cached blocks are shared")
-            del self._cached[block]
+            del segment[block]
         self.ref_counts[block] += 1
 
     def free(self, block: int) -> None:
@@ -105,7 +145,7 @@ class BlockAllocator:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
             if self.cache is not None and self.cache.is_published(block):
-                self._cached[block] = None
+                self._cache(block)
                 if self.on_cached is not None:
                     self.on_cached(block)
             else:
@@ -114,13 +154,35 @@ class BlockAllocator:
     def evict(self, block: int) -> None:
         """Take one cached block's memory back: the cache forgets it and it becomes free.
         ``allocate`` evicts least recently released first; others are for resets and tests."""
-        del self._cached[block]
-        assert self.cache is not None
+        segment = self._segment(block)
+        assert segment is not None and self.cache is not None, f"block {block} is not cached"
+        del segment[block]
         self.cache.evict(block)
+        self._hit[block] = self._copied[block] = 0
         self.generations[block] += 1
         self._free.append(block)
 
     def evict_all(self) -> None:
         """Evict every cached block (a cache reset); blocks in use are untouched."""
-        while self._cached:
-            self.evict(next(iter(self._cached)))
+        while self.num_cached:
+            self.evict(self._next_victim())
+
+    def _cache(self, block: int) -> None:
+        """A released published block joins its segment, most recent; protected ones beyond
+        ``max_protected`` go back on probation, least recent first."""
+        if not (self._hit[block] and self.max_protected):
+            self._probation[block] = None
+            return
+        self._protected[block] = None
+        while len(self._protected) > self.max_protected:
+            demoted, _ = self._protected.popitem(last=False)
+            self._probation[demoted] = None
+
+    def _segment(self, block: int) -> OrderedDict[int, None] | None:
+        """The cached segment holding ``block``; None if it is not cached."""
+        if block in self._probation:
+            return self._probation
+        return self._protected if block in self._protected else None
+
+    def _next_victim(self) -> int:
+        return next(iter(self._probation or self._protected))

@@ -21,14 +21,21 @@ class BlockManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, hasher: BlockHasher, enable_prefix_cache: bool
+        self,
+        num_blocks: int,
+        block_size: int,
+        hasher: BlockHasher,
+        enable_prefix_cache: bool,
+        protected_fraction: float = 0.0,
     ) -> None:
         if hasher.block_size != block_size:
             raise ValueError("hasher and block manager disagree on block_size")
         self.block_size = block_size
         self.hasher = hasher
         self.prefix_cache = PrefixCache(hasher) if enable_prefix_cache else None
-        self.allocator = BlockAllocator(num_blocks, block_size, self.prefix_cache)
+        self.allocator = BlockAllocator(
+            num_blocks, block_size, self.prefix_cache, protected_fraction
+        )
         self._copies: list[tuple[int, int]] = []  # (src, dst) for the next forward pass
 
     def admit(self, seq: Sequence, token_budget: int, reserve_blocks: int = 0) -> int | None:
@@ -55,6 +62,7 @@ class BlockManager:
             return None
         for block in hits:  # before allocating, so the allocation cannot evict a hit
             self.allocator.share(block)
+            self.allocator.mark_hit(block)
         seq.block_table = hits + self.allocator.allocate(num_new_blocks)
         seq.num_computed_tokens = len(hits) * bs
         seq.num_published_blocks = len(hits)

@@ -49,7 +49,11 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.hasher = config.block_hasher()
         self.block_manager = BlockManager(
-            config.num_blocks, config.block_size, self.hasher, config.enable_prefix_cache
+            config.num_blocks,
+            config.block_size,
+            self.hasher,
+            config.enable_prefix_cache,
+            config.protected_fraction,
         )
         self.scheduler = Scheduler(
             self.block_manager,

@@ -213,6 +213,7 @@ def _publish(
     for offset, block_id in enumerate(ids[:arrived]):
         i = len(held) + offset
         cache.publish(block_id, expected[i], token_ids[i * bs : (i + 1) * bs], parent, cache_salt)
+        allocator.mark_copied(block_id)
         parent = block_id
     for block_id in reversed([*held, *ids]):
         allocator.free(block_id)
