@@ -65,7 +65,7 @@ from router.recent_work import HALF_LIFE_TOKENS, RecentWork
 EXPLAINED = 8  # replicas an explanation lists (the choice and the cheapest)
 # how much dearer than the cheapest the holder of a prefix may be and keep its requests:
 # 768 keeps a tenant's repeats together better than 512 with the segmented LRU's protected
-# hits, at a tail still under round robin's (docs/results.md, "Hits that come back")
+# hits, at a tail within 1.1x round robin's (docs/results.md, "Hits that come back")
 STICKY_BUDGET_TOKENS = 768
 
 

@@ -153,7 +153,7 @@ class BlockAllocator:
 
     def evict(self, block: int) -> None:
         """Take one cached block's memory back: the cache forgets it and it becomes free.
-        ``allocate`` evicts least recently released first; others are for resets and tests."""
+        ``allocate`` evicts the first of ``eviction_order``; others are for resets and tests."""
         segment = self._segment(block)
         assert segment is not None and self.cache is not None, f"block {block} is not cached"
         del segment[block]
