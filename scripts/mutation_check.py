@@ -84,7 +84,7 @@ MUTATIONS = [
      "        if router == self.own_router:\n            return\n", "",
      "test_index_mirror.py::test_routers_see_each_others_shared_bookings_until_they_lapse"),
     ("a mirror's answer leaves the other routers' shares out", "kvindex/mirror/state.py",
-     "        load = self.loads[slots] + self.shared[slots]", "        load = self.loads[slots]",
+     "np.take((self.loads + self.shared).T, slots, axis=1)", "np.take(self.loads.T, slots, axis=1)",
      "test_index_mirror.py::test_routers_see_each_others_shared_bookings_until_they_lapse"),
     ("the holder table does not count a block's second holder",
      "kvindex/mirror/holder_table.py",
