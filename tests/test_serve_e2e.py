@@ -23,6 +23,7 @@ from cluster.config import ClusterArgs
 from kvindex.config import IndexConfig
 from kvindex.pulls import PullConfig
 from kvindex.reader import IndexReader
+from kvindex.stored import StoreConfig
 from router.config import routing_config
 
 MODEL = "tiny-llama-6m"
@@ -448,7 +449,14 @@ def test_round_robin_alternates(
     # Serve handle to its own deployment when it gets SIGTERM below (as bytes through Ray's
     # object store, the path a replica once ignored SIGTERM on; tests/test_isolation.py
     # pulls through shared memory)
-    update = {"index": patient, "pull": PullConfig(enabled=True, shared_memory=False)}
+    # and no node store: a replica restores what its node's store holds instead of pulling
+    # it (``pull_source``), and whether the first replica's blocks have spilled there when
+    # the second request arrives is a race (one CI run saw no pull)
+    update = {
+        "index": patient,
+        "pull": PullConfig(enabled=True, shared_memory=False),
+        "store": StoreConfig(enabled=False),
+    }
     args = cluster_args(redis_server.url, "round_robin").model_copy(update=update)
     with ServeCluster(args, ray=ray) as rr:
         rr_client = openai.OpenAI(base_url=f"{rr.base_url}/v1", api_key="x", max_retries=0)
