@@ -125,7 +125,7 @@ class BlockAllocator:
                 self.evict(self._next_victim())
             block = self._free.popleft()
             self.ref_counts[block] = 1
-            self._hit[block] = self._copied[block] = 0
+            self._hit[block] = self._copied[block] = 0  # whatever it held before is gone
             blocks.append(block)
         return blocks
 
@@ -158,7 +158,6 @@ class BlockAllocator:
         assert segment is not None and self.cache is not None, f"block {block} is not cached"
         del segment[block]
         self.cache.evict(block)
-        self._hit[block] = self._copied[block] = 0
         self.generations[block] += 1
         self._free.append(block)
 
