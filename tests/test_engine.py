@@ -381,3 +381,24 @@ def test_bfloat16_logits_stay_near_float32s_and_the_cache_changes_no_bit() -> No
     assert on[0] == off[0]
     assert all(torch.equal(x, y) for x, y in comparable_rows(on, off))
     assert len(comparable_rows(on, off)) == len(DTYPE_PROMPTS) * DTYPE_PARAMS.max_tokens
+
+
+@pytest.mark.parametrize("expect", [True, False])
+def test_a_queued_request_still_hits_the_prefix_it_was_sent_for(
+    expect: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request queued behind a prefill that needs the pool's cached blocks keeps its
+    prefix: ``add_request`` makes the blocks it will hit the most recent
+    (``BlockManager.expect``), so the prefill ahead evicts the others. Without that, the
+    one-off prompt cached after it would outlive it (the check that this test can fail)."""
+    if not expect:
+        monkeypatch.setattr("replica.engine.block_manager.BlockManager.expect", lambda *a: 0)
+    engine = Engine(tiny(num_blocks=8, block_size=16, max_num_seqs=4))
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    tenant = [256] + list(range(31))  # two full blocks
+    engine.generate([[*tenant, 7]], one)  # cached: the tenant's two blocks
+    engine.generate([list(range(100, 133))], one)  # then a one-off prompt's two
+    ahead = list(range(140, 221))  # 81 tokens: 6 blocks, 2 of them evicted
+    outs = engine.generate([ahead, [*tenant, 9]], one)
+    assert outs[1].num_cached_tokens == (32 if expect else 0)
+    assert engine.block_manager.allocator.num_in_use == 0

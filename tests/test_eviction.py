@@ -1,7 +1,7 @@
 """Which cached block goes first, on tiny pools with exact block ids: a segmented LRU
 (``BlockAllocator``, ``protected_fraction``) where a prefix that was hit outlives a prompt
-seen once, protected blocks are capped, and no order of hits and releases ever evicts a
-parent before its child."""
+seen once, protected blocks are capped, a queued request's prefix outlives the prefills
+ahead of it, and no order of hits and releases ever evicts a parent before its child."""
 
 from __future__ import annotations
 
@@ -102,6 +102,38 @@ def test_an_evicted_block_forgets_it_was_hit() -> None:
     assert not alloc._hit[2] and not alloc._copied[3]  # whatever they held is gone
 
 
+def test_a_queued_request_keeps_its_prefix_while_the_prefills_ahead_evict() -> None:
+    """``expect`` (called as a request is queued) makes the cached blocks it will hit the
+    most recent, children before parents: the allocations of the prompts admitted ahead
+    of it take the other cached blocks first."""
+    bm = manager(protected_fraction=0.0)
+    served(bm, [*SYSTEM, 50], "tenant")  # blocks 0, 1 cached (2 partial: free)
+    served(bm, list(range(100, 109)), "other")  # 3, 4 cached after them
+    assert bm.allocator.eviction_order() == [1, 0, 4, 3]
+    queued = Sequence("queued", [*SYSTEM, 70], SamplingParams(), None, arrival_time=0.0)
+    assert bm.expect(queued) == 2
+    assert bm.allocator.eviction_order() == [4, 3, 1, 0]  # the child still before its parent
+    served(bm, list(range(200, 221)), "ahead")  # 6 blocks: the 4 free ones, then 4 and 3
+    assert bm.admit(queued, token_budget=10_000) == 1  # hits both blocks; 1 token runs
+    assert queued.block_table[:2] == [0, 1] and queued.num_cached_prompt_tokens == 8
+    check_block_accounting(bm, [queued], [])
+
+
+def test_expecting_a_prefix_moves_only_cached_blocks_and_changes_no_flag() -> None:
+    bm = manager(protected_fraction=0.5)
+    served(bm, [*SYSTEM, 50], "first")
+    served(bm, [*SYSTEM, 60], "again")  # 0 and 1 protected
+    served(bm, list(range(100, 109)), "once")  # 4 and 5 on probation
+    running = Sequence("running", list(range(100, 109)), SamplingParams(), None, 0.0)
+    assert bm.admit(running, 10_000) == 1  # 4 and 5 in use now
+    hits = bytes(bm.allocator._hit)
+    for rid in ("a", "b"):  # a prompt in use and a protected one: nothing to move
+        bm.expect(Sequence(rid, list(range(100, 109)), SamplingParams(), None, 0.0))
+        bm.expect(Sequence(rid, [*SYSTEM, 9], SamplingParams(), None, 0.0))
+    assert bm.allocator.eviction_order() == [1, 0] and bytes(bm.allocator._hit) == hits
+    check_block_accounting(bm, [running], [])
+
+
 @pytest.mark.parametrize("fraction", [0.0, 0.25, 0.5, 1.0])
 @pytest.mark.parametrize("seed", range(4))
 def test_no_mix_of_hits_and_releases_evicts_a_parent_before_its_child(
@@ -120,6 +152,7 @@ def test_no_mix_of_hits_and_releases_evicts_a_parent_before_its_child(
         else:
             tail = [rng.randrange(4) for _ in range(rng.randrange(2 * BS))]
             s = Sequence(f"r{i}", [*rng.choice(heads), *tail], SamplingParams(), None, 0.0)
+            bm.expect(s)  # queued first, as the engine does
             n = bm.admit(s, 10_000)
             if n is not None:
                 s.num_computed_tokens += n

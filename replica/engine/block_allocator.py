@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, MutableSequence
+from collections.abc import Callable, MutableSequence, Sequence
 from typing import Protocol
 
 
@@ -114,6 +114,17 @@ class BlockAllocator:
     def mark_copied(self, block: int) -> None:
         """``block`` was copied in (pulled or restored) for a request about to hit it."""
         self._copied[block] = 1
+
+    def touch(self, chain: Sequence[int]) -> None:
+        """A queued request expects to hit ``chain`` (blocks of one prefix, parent first):
+        each cached one becomes the most recent of its segment, so the prefills queued
+        ahead of it evict other blocks first. Flags are untouched (the hit, if the blocks
+        survive, is counted at admission). Children move before parents, so a parent stays
+        the more recent and is still never evicted before its child."""
+        for block in reversed(chain):
+            segment = self._segment(block)
+            if segment is not None:
+                segment.move_to_end(block)
 
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks with ref count 1. Raises ``OutOfBlocksError`` (changing nothing)."""

@@ -49,12 +49,7 @@ class BlockManager:
         """
         bs = self.block_size
         n = seq.num_tokens
-        hits: list[int] = []
-        # prompt logprobs need every prompt position's logits: cached blocks hold none
-        if self.prefix_cache is not None and seq.params.prompt_logprobs is None:
-            hashes = self._hashes(seq, n)
-            hits = self.prefix_cache.lookup(seq.token_ids, seq.cache_salt, hashes)
-            hits = hits[: (n - 1) // bs]
+        hits = self._hits(seq)
         num_new_blocks = self.allocator.blocks_needed(n) - len(hits)
         reviving = sum(1 for b in hits if self.allocator.ref_counts[b] == 0)
         needed = num_new_blocks + reviving
@@ -73,11 +68,25 @@ class BlockManager:
     def cached_prefix_tokens(self, seq: Sequence) -> int:
         """Prompt tokens ``admit`` would take from the cache if it ran now (no change): none
         for a request that wants prompt logprobs (``admit`` computes those prompts whole)."""
+        return len(self._hits(seq)) * self.block_size
+
+    def expect(self, seq: Sequence) -> int:
+        """A sequence was queued: the cached blocks it would hit become the most recent
+        (``BlockAllocator.touch``), so the prefills ahead of it in the queue do not evict
+        the prefix it was routed here for. Returns how many blocks that is."""
+        hits = self._hits(seq)
+        self.allocator.touch(hits)
+        return len(hits)
+
+    def _hits(self, seq: Sequence) -> list[int]:
+        """The cached blocks ``admit`` would share now: the longest verified prefix, capped
+        so at least one token runs; none for a request that wants prompt logprobs (they need
+        every prompt position's logits, and cached blocks hold none)."""
         if self.prefix_cache is None or seq.params.prompt_logprobs is not None:
-            return 0
-        hashes = self._hashes(seq, seq.num_tokens)
-        hits = self.prefix_cache.lookup(seq.token_ids, seq.cache_salt, hashes)
-        return min(len(hits), (seq.num_tokens - 1) // self.block_size) * self.block_size
+            return []
+        n = seq.num_tokens
+        hits = self.prefix_cache.lookup(seq.token_ids, seq.cache_salt, self._hashes(seq, n))
+        return hits[: (n - 1) // self.block_size]
 
     def schedule_chunk(self, seq: Sequence, token_budget: int) -> int:
         """Schedule the next prompt tokens of an admitted sequence, at most ``token_budget``,

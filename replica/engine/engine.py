@@ -119,6 +119,7 @@ class Engine:
         seq.grammar = grammar
         if self.store is not None and params.prompt_logprobs is None:
             self.store.restore(self, seq)
+        self.block_manager.expect(seq)  # what it will hit outlives the prefills queued ahead
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
