@@ -152,7 +152,10 @@ class PrefillCost(RoutingPolicy):
         kept = self._kept_blocks(table, held)
         # keeps the most; among those the cheapest, then rendezvous: the first in by_cost
         holder = int(by_cost[np.argmax(kept[by_cost] == kept.max())])
-        if self._is_holder(request, kept, holder):
+        kept_tokens = min(int(kept[holder]) * request.block_size, request.usable_tokens)
+        if kept_tokens >= max(
+            request.block_size, self.knobs.min_hit_fraction * request.usable_tokens
+        ):
             sticky = costs[holder] <= costs[by_cost[0]] + self.knobs.sticky_budget_tokens
             choice = holder if sticky else int(by_cost[0])
             reason = "sticky" if sticky else "spill"
@@ -171,22 +174,6 @@ class PrefillCost(RoutingPolicy):
         self, request: RoutingRequest, replica_id: str, work_tokens: int = 0, replicas: int = 1
     ) -> None:
         self.recent_work.record(replica_id, work_tokens, replicas)
-
-    def _is_holder(self, request: RoutingRequest, kept: np.ndarray, holder: int) -> bool:
-        """Whether ``holder`` (keeping the most leading blocks, ``kept``) holds this prompt:
-        at least ``min_hit_fraction`` of it, or more of it than any other replica where
-        another keeps its head too. The second is a prompt whose tail was evicted (tails go
-        first): what is left beyond the head others share (a chat template's) is still its
-        own. Sent elsewhere it would be computed twice, which at 2 replicas costs a tenant
-        mix ~0.003 of hit rate (docs/results.md, "Held while queued"). A head no other
-        replica keeps proves nothing: it is what the first replica to serve a chat template
-        holds, and would pull every new prompt there."""
-        bs = request.block_size
-        kept_tokens = min(int(kept[holder]) * bs, request.usable_tokens)
-        if kept_tokens >= max(bs, self.knobs.min_hit_fraction * request.usable_tokens):
-            return True
-        others = int(np.delete(kept, holder).max(initial=0))
-        return 0 < others < int(kept[holder])
 
     def _kept_blocks(self, table: ReplicaTable, held: np.ndarray) -> np.ndarray:
         """Leading blocks each replica has without recomputing or calling another replica:

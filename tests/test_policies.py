@@ -279,25 +279,6 @@ def test_a_held_template_head_does_not_pull_every_new_prefix_onto_one_replica() 
     assert policy.rank(req, replicas)[0] == "a"
 
 
-def test_a_prompt_whose_tail_was_evicted_stays_where_the_rest_of_it_is() -> None:
-    """Under ``min_hit_fraction`` a replica is still the holder when it keeps more of the
-    prompt than any other, beyond a head another keeps too: sending the prompt elsewhere
-    would compute it twice. A head only one replica keeps (the first to serve a chat
-    template) makes no holder."""
-    req = request(9, num_blocks=12)  # 197 tokens, 192 usable: a hit needs 96 cached
-    policy = worked(cost_policy(decode_cost_tokens=0), a=500, b=1)
-    replicas = [state("a", cached_blocks=3, booked_prefill_tokens=100), state("b", cached_blocks=1)]
-    assert policy.rank(req, replicas)[0] == "a"  # dearer by 68, within the budget
-    assert policy.explain().startswith("prefill_cost sticky: a")
-    over = [state("a", cached_blocks=3, booked_prefill_tokens=900), state("b", cached_blocks=1)]
-    assert policy.rank(req, over)[0] == "b" and policy.explain().startswith("prefill_cost spill")
-    level = [state("a", cached_blocks=3), state("b", cached_blocks=3)]  # nobody's own
-    assert policy.rank(req, level)[0] == "b"  # a new prefix: b did less work
-    assert policy.explain().startswith("prefill_cost new prefix")
-    alone = [state("a", cached_blocks=3), state("b")]  # a head no other replica keeps
-    assert policy.rank(req, alone)[0] == "b" and policy.explain().startswith("prefill_cost new")
-
-
 def test_prefill_cost_ties_follow_the_rendezvous_order_of_the_first_block_nobody_holds() -> None:
     policy = cost_policy()
     for seed in range(20):
