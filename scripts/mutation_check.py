@@ -121,6 +121,13 @@ MUTATIONS = [
      "self._protected.popitem(last=False)", "self._protected.popitem(last=True)",
      "test_eviction.py::"
      "test_protected_blocks_beyond_the_cap_go_back_on_probation_least_recent_first"),
+    ("a queued request's prefix is not made the most recent", "replica/engine/engine.py",
+     "        self.block_manager.expect(seq)", "        pass",
+     "test_engine.py::test_a_queued_request_still_hits_the_prefix_it_was_sent_for[True]"),
+    ("a queued prefix is touched parents first", "replica/engine/block_allocator.py",
+     "        for block in reversed(chain):", "        for block in chain:",
+     "test_eviction.py::"
+     "test_expecting_a_prefix_moves_only_cached_blocks_and_changes_no_flag"),
 ]  # fmt: skip
 ASSERTION = re.compile(r"^E\s+(AssertionError|assert )", re.M)
 
