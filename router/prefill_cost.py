@@ -20,7 +20,9 @@ in one rule set:
   cheapest, so tenants and conversations spread by the work they bring back, but never
   onto a busy replica (load here leaves out the credit for a short held head). The
   default slack is 0: the least loaded, recent work breaking ties (docs/decisions.md
-  says why).
+  says why). A replica keeping more of the prompt than any other keeps that lead as a
+  credit (``lead_credit``): a tenant whose tail was evicted stays where its head
+  survives unless that replica is busier by more than what survives there.
 * **Pulls** (``pull.enabled``; ours alone): a replica that lacks a prefix another replica
   has published pulls it instead of recomputing it, so its cost counts those tokens at the
   pull's price (``kvindex.pulls``), a few percent of a prefill. A busy holder then loses a
@@ -92,6 +94,24 @@ def tie_key(request: RoutingRequest, held_blocks: int) -> bytes:
     return chain[min(held_blocks, len(chain) - 1)]
 
 
+def lead_credit(request: RoutingRequest, kept: np.ndarray) -> np.ndarray:
+    """Prompt tokens the one replica keeping the most leading blocks (``kept``) keeps
+    beyond every other replica: its lead, credited to it alone. Zeros when two keep the
+    most, or when no other replica keeps any of it: only a lead beyond a head another
+    replica keeps too (a chat template) counts, so the head itself attracts no new tenant
+    (the first replica to cache a template would win them all), while a tenant's prompt
+    whose tail was evicted keeps its surviving part's worth.
+    """
+    credit = np.zeros(len(kept), np.int64)
+    if len(kept) < 2:
+        return credit
+    second, top = np.partition(kept, -2)[-2:]
+    if top > second > 0:
+        usable = min(int(top) * request.block_size, request.usable_tokens)
+        credit[int(np.argmax(kept))] = max(0, usable - int(second) * request.block_size)
+    return credit
+
+
 class PrefillCost(RoutingPolicy):
     """Ranks a ``ReplicaTable`` with array operations: a thousand replicas in well under a
     millisecond (``python -m bench index --scale``)."""
@@ -160,7 +180,8 @@ class PrefillCost(RoutingPolicy):
             choice = holder if sticky else int(by_cost[0])
             reason = "sticky" if sticky else "spill"
         else:
-            choice = self._new_prefix(request, table, costs + credits, weights)
+            load = costs + credits - lead_credit(request, kept)
+            choice = self._new_prefix(request, table, load, weights)
             reason = "new prefix"
         ranked = by_cost
         if by_cost[0] != choice:  # the choice first, then every other replica by cost
@@ -195,11 +216,13 @@ class PrefillCost(RoutingPolicy):
         """The replica that did the least recent work among the near-cheapest ones
         (``router.recent_work``: a new prefix brings its later requests with it).
 
-        Cost here is load only (``load``: the cost with the cache credit added back): the
-        credit for a held head below ``min_hit_fraction`` (a chat template's first blocks,
-        which every replica soon holds) is left out, and so is what a pull of it would
-        save, or with slack 0 the first replica to hold the template would win every new
-        tenant while the others sat idle.
+        Cost here is load (``load``: the cost with the cache credit added back, less the
+        lead credit): the credit for a held head below ``min_hit_fraction`` (a chat
+        template's first blocks, which every replica soon holds) is left out, and so is
+        what a pull would save, or with slack 0 the first replica to hold the template
+        would win every new tenant while the others sat idle. Only the one replica's lead
+        over all others counts: pulling that lead elsewhere would save its prefill but
+        keep two copies in pools that are already evicting it.
         """
         load = load + self._pull_saving(request, table)
         slack = self.knobs.new_prefix_slack * request.num_prompt_tokens

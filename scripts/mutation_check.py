@@ -128,6 +128,12 @@ MUTATIONS = [
      "        for block in reversed(chain):", "        for block in chain:",
      "test_eviction.py::"
      "test_expecting_a_prefix_moves_only_cached_blocks_and_changes_no_flag"),
+    ("a new prefix's load leaves out the holder's lead", "router/prefill_cost.py",
+     "load = costs + credits - lead_credit(request, kept)", "load = costs + credits",
+     "test_policies.py::test_a_prompt_whose_tail_was_evicted_keeps_its_lead_beyond_a_shared_head"),
+    ("a lead over replicas keeping nothing is credited", "router/prefill_cost.py",
+     "    if top > second > 0:", "    if top > second:",
+     "test_policies.py::test_a_prompt_whose_tail_was_evicted_keeps_its_lead_beyond_a_shared_head"),
 ]  # fmt: skip
 ASSERTION = re.compile(r"^E\s+(AssertionError|assert )", re.M)
 

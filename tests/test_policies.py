@@ -10,7 +10,7 @@ import numpy as np
 from bench.sim.peer_policies import DynamoKV, RayPrefixSim, SGLangCacheAware
 from kvindex.hashing import BlockHasher
 from kvindex.pulls import PullConfig, with_pullable
-from kvindex.records import ReplicaState, RoutingRequest
+from kvindex.records import ReplicaState, ReplicaTable, RoutingRequest
 from router.config import make_policy, routing_config
 from router.core import RoutingCore
 from router.policies import (
@@ -23,7 +23,7 @@ from router.policies import (
     rendezvous_order,
     rendezvous_weights,
 )
-from router.prefill_cost import CostKnobs, PrefillCost
+from router.prefill_cost import CostKnobs, PrefillCost, lead_credit
 
 HASHER = BlockHasher(16, "m")
 
@@ -277,6 +277,30 @@ def test_a_held_template_head_does_not_pull_every_new_prefix_onto_one_replica() 
     # but load still decides first: b busier by one token loses to a
     replicas[1] = state("b", booked_prefill_tokens=1)
     assert policy.rank(req, replicas)[0] == "a"
+
+
+def test_a_prompt_whose_tail_was_evicted_keeps_its_lead_beyond_a_shared_head() -> None:
+    """Under ``min_hit_fraction`` still a new prefix, but the replica keeping more than any
+    other, beyond a head another keeps too, is credited its lead (2 blocks: 32 tokens) and
+    keeps the prompt unless it is busier by more than that; a lead over replicas keeping
+    nothing (a template's first cache) is no credit."""
+    req = request(11, num_blocks=8)  # 133 tokens, 128 usable: a hit needs 64 cached
+    policy = worked(cost_policy(decode_cost_tokens=0, new_prefix_slack=0.0), a=500, b=1)
+    replicas = [state("a", cached_blocks=3), state("b", cached_blocks=1)]
+    assert lead_credit(req, ReplicaTable.of(replicas).held).tolist() == [32, 0]
+    assert policy.rank(req, replicas)[0] == "a"  # though a did far more recent work
+    assert policy.explain() == "prefill_cost new prefix: a a=85 b=117"
+    replicas[0] = state("a", cached_blocks=3, booked_prefill_tokens=31)
+    assert policy.rank(req, replicas)[0] == "a"  # load 133 + 31 - 32 = 132 < b's 133
+    replicas[0] = state("a", cached_blocks=3, booked_prefill_tokens=32)
+    assert policy.rank(req, replicas)[0] == "b"  # level: recent work decides, b did less
+    # no other replica keeps any of it: the lead is a head's, and earns nothing
+    replicas = [state("a", cached_blocks=3), state("b")]
+    assert lead_credit(req, ReplicaTable.of(replicas).held).tolist() == [0, 0]
+    assert policy.rank(req, replicas)[0] == "b"
+    # two keep the most: neither leads
+    tied = ReplicaTable.of([state("a", cached_blocks=3), state("b", cached_blocks=3)]).held
+    assert lead_credit(req, tied).tolist() == [0, 0]
 
 
 def test_prefill_cost_ties_follow_the_rendezvous_order_of_the_first_block_nobody_holds() -> None:
