@@ -11,8 +11,9 @@ object store. The request then hits them like any local prefix, and
 Nothing waits on a pull for long: the index answers within its own timeout, the pull has
 ``timeout_s``; a late, failed or refused pull costs a recompute, never an error or a wrong
 token. Counted per replica: pulls, blocks and bytes pulled, seconds spent, failed pulls
-(timeout, dead or busy holder) and the seconds they waited, and refused blocks
-(verification).
+(timeout, dead or busy holder) and the seconds they waited, refused blocks
+(verification), and lookups the index did not answer (Redis down or late: whether a pull
+was possible is unknown, and the request recomputes what it lacks).
 
 Known limit: once a replica holds a Serve handle (its first pull), a SIGTERM sent to its
 process alone no longer ends it (Ray's handler never runs; the process stays until Serve or
@@ -49,6 +50,7 @@ class PullCounters:
     failed_pull_seconds: float = 0.0  # waited on pulls that failed (a recompute followed)
     pulls_shared_memory: int = 0  # of ``pulls``: read from a same-node holder's pool
     pull_blocks_refused: int = 0
+    pull_lookups_failed: int = 0  # the index did not answer: no pull was tried
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,6 +112,9 @@ class Puller:
         """The live replica to pull ``chain`` from (``kvindex.pulls.pull_source``), by the
         index's answer, which costs no wait on the engine."""
         answer = await self.reader.aquery(chain)
+        if answer is None:  # failed, late, or skipped after recent failures
+            self.counters.pull_lookups_failed += 1
+            return None
         if not answer:
             return None
         own_store = store_id(self.node_id) if self.node_id else ""

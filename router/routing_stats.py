@@ -49,6 +49,7 @@ _REPLICA_KEYS = (
     "pulls_failed",
     "failed_pull_seconds",
     "pull_blocks_refused",
+    "pull_lookups_failed",
     "store_spilled_blocks",
     "store_spill_dropped",
     "store_restored_blocks",

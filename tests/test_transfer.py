@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 from conftest import tiny
 
+from bench.harness.redis_server import LocalRedis
 from kvindex.config import IndexConfig
 from kvindex.pulls import PullConfig
 from kvindex.records import RoutingRequest
@@ -181,13 +182,17 @@ class HolderHandle:
         return answer()
 
 
-def pull_then_serve(url: str, holder: Engine, handle: HolderHandle):
-    """Index the holder's blocks, let a fresh engine's puller act, then serve there."""
+def pull_then_serve(redis: LocalRedis, holder: Engine, handle: HolderHandle, index_down=False):
+    """Index the holder's blocks, let a fresh engine's puller act (with Redis stopped first
+    when ``index_down``), then serve there."""
     engine = Engine(tiny(num_blocks=64))
     chain = engine.hasher.chain(PROMPT, None)
+    url = redis.url
     writer = IndexWriter(IndexConfig(url=url, cluster="pull"), engine.config.model_id)
     writer.register("holder", "e1")
     writer.publish("holder", "e1", chain)
+    if index_down:
+        redis.stop()
 
     async def on_engine(fn, *args):
         return fn(*args)
@@ -203,9 +208,10 @@ def pull_then_serve(url: str, holder: Engine, handle: HolderHandle):
 def test_a_puller_pulls_what_the_index_says_another_replica_holds(fresh_redis) -> None:
     holder = Engine(tiny(num_blocks=64))
     want = served(holder)
-    got, counters = pull_then_serve(fresh_redis.url, holder, HolderHandle(holder))
+    got, counters = pull_then_serve(fresh_redis, holder, HolderHandle(holder))
     assert got.num_cached_tokens == 8 * BS and got.token_ids == want.token_ids
     assert (counters.pulls, counters.pulled_blocks, counters.pulls_failed) == (1, 8, 0)
+    assert counters.pull_lookups_failed == 0
     assert counters.pulled_bytes == 8 * holder.runner.kv_cache.data[0].nbytes
 
 
@@ -216,7 +222,19 @@ def test_a_late_dead_or_emptied_holder_costs_a_recompute(fresh_redis, handle: st
     if handle == "evicted":  # the index still lists blocks the holder no longer has
         holder.reset_prefix_cache()
     stand_in = HolderHandle(holder, delay_s=2.0 if handle == "late" else 0.0, dead=handle == "dead")
-    got, counters = pull_then_serve(fresh_redis.url, holder, stand_in)
+    got, counters = pull_then_serve(fresh_redis, holder, stand_in)
     assert got.num_cached_tokens == 0 and got.token_ids == want.token_ids
     assert counters.pulled_blocks == 0
     assert counters.pulls_failed == (handle != "evicted")
+    assert counters.pull_lookups_failed == 0
+
+
+def test_a_lookup_the_index_cannot_answer_is_counted_and_costs_a_recompute(fresh_redis) -> None:
+    """Redis is down when the puller asks who holds the prompt: no pull is tried (nothing
+    says where the blocks are), the request recomputes them, and the lookup is counted,
+    apart from pulls that were tried and failed."""
+    holder = Engine(tiny(num_blocks=64))
+    want = served(holder)
+    got, counters = pull_then_serve(fresh_redis, holder, HolderHandle(holder), index_down=True)
+    assert got.num_cached_tokens == 0 and got.token_ids == want.token_ids
+    assert (counters.pulls, counters.pulls_failed, counters.pull_lookups_failed) == (0, 0, 1)

@@ -158,7 +158,13 @@ def run_policy(
         cluster.stop(keep_logs="error" in metrics)
 
 
-PULL_KEYS = ("pulls", "pulled_blocks", "pulls_failed", "pull_blocks_refused")
+PULL_KEYS = (
+    "pulls",
+    "pulled_blocks",
+    "pulls_failed",
+    "pull_blocks_refused",
+    "pull_lookups_failed",
+)
 STORE_KEYS = ("store_spilled_blocks", "store_restored_blocks", "store_restore_rejected")
 
 
