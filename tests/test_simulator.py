@@ -10,7 +10,8 @@ import pytest
 import torch
 from conftest import tiny
 
-from bench.experiments.simulate import PEERS, sim_policy
+from bench.__main__ import run as run_bench
+from bench.experiments.simulate import PEERS, parse_seeds, sim_policy
 from bench.sim import cost_model
 from bench.sim.cost_model import Clock, CostModel, calibrate
 from bench.sim.simulator import Simulation
@@ -121,3 +122,33 @@ def test_calibration_recovers_a_known_step_cost(monkeypatch: pytest.MonkeyPatch)
     assert fitted.base_s == pytest.approx(truth.base_s, rel=1e-6)
     assert fitted.prefill_token_s == pytest.approx(truth.prefill_token_s, rel=1e-6)
     assert fitted.decode_seq_s == pytest.approx(truth.decode_seq_s, rel=1e-6)
+
+
+def test_a_run_over_seeds_is_the_runs_of_each_seed(tmp_path) -> None:
+    """``simulate --seeds``: each seed's hit rate is what a run with ``--seed`` alone gives,
+    the means are the means of those runs, and the table's median and spread are theirs."""
+    common = ["--replicas", "2", "--requests", "12", "--policies", "round_robin,prefill_cost"]
+    common += ["--tenants", "4", "--rates", "8"]
+    over = run_bench(["simulate", "--seeds", "3-4", "--out", str(tmp_path / "both"), *common])
+    alone = [
+        run_bench(["simulate", "--seed", s, "--out", str(tmp_path / s), *common])
+        for s in ("3", "4")
+    ]
+    section = "2 replicas, rate 8/s"
+    for policy in ("round_robin", "prefill_cost"):
+        m = over["runs"][section][policy]
+        hits = [a["runs"][section][policy]["hit_rate_usage"] for a in alone]
+        p99s = [a["runs"][section][policy]["ttft_p99_s"] for a in alone]
+        assert m["hit_rate_by_seed"] == {"3": hits[0], "4": hits[1]}
+        assert m["seed_means"]["hit_rate_usage"] == pytest.approx(sum(hits) / 2)
+        assert m["seed_means"]["ttft_p99_s"] == pytest.approx(sum(p99s) / 2)
+        assert m["runs"] == 2 and m["spread"]["ttft_p99_s"] == [min(p99s), max(p99s)]
+    assert over["runs"][section]["prefill_cost"]["hit_rate_usage"] > 0
+    oracles = [a["oracle"][section] for a in alone]
+    assert over["oracle"][section] == pytest.approx(sum(oracles) / 2)
+
+
+def test_seeds_are_ranges_or_lists_each_once() -> None:
+    assert parse_seeds("1-3,7") == [1, 2, 3, 7]
+    with pytest.raises(ValueError):
+        parse_seeds("1-3,2")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +32,7 @@ from bench.experiments.routing_args import (
     split_store,
     traces,
 )
-from bench.report import summarize, write_report
+from bench.report import combine, summarize, write_report
 from bench.sim.cost_model import DEFAULT_CALIBRATION, CostModel, calibrate
 from bench.sim.peer_policies import DynamoKV, RayPrefixSim, SGLangCacheAware
 from bench.sim.simulator import Simulation
@@ -87,12 +88,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--store-blocks", type=int, default=0, help="node store slots per node (0: no store)"
     )
     parser.add_argument("--replicas-per-node", type=int, default=8)
+    parser.add_argument(
+        "--seeds",
+        help="run the traces of several seeds (1-8, or 1,3,5) and report each policy's "
+        "median, spread and means over them (--seed is then ignored)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out = args.out or Path(f"results/simulate-{args.workload}")
     engine = fast_engine(args.model, num_blocks=args.num_blocks)
-    tokenizer = checkpoint_for(engine.model).tokenizer()
     if args.calibrate:
         cost = calibrate(engine)
         cost.save(args.cost_model)
@@ -101,6 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     counts = [int(r) for r in str(args.replicas).split(",")]
     policies = [p for p in args.policies.split(",") if p]
     check_knobs(policies, json.loads(args.knobs) if args.knobs else {}, args.epsilon)
+    seeds = parse_seeds(args.seeds) if args.seeds else [args.seed]
     payload: dict[str, Any] = {
         "title": f"Simulated cluster: {args.workload}",
         "workload": vars(args) | {"out": str(out)},
@@ -110,13 +116,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     started = time.monotonic()
     for replicas in counts:
-        for rate, trace in traces(_scaled(args, replicas)).items():
-            section = f"{replicas} replicas, {section_name(rate)}"
-            oracle = oracle_hit_rate(trace, engine.block_hasher(), tokenizer)
-            payload["oracle"][section] = oracle
+        by_seed = [_runs(args, seed, replicas, policies, engine, cost) for seed in seeds]
+        for section in by_seed[0]:
+            oracles = [runs[section][0] for runs in by_seed]
+            payload["oracle"][section] = statistics.mean(oracles)
             payload["runs"][section] = {
-                policy: _simulate(args, policy, replicas, engine, cost, trace)
-                | {"oracle_hit_rate": oracle}
+                policy: over_seeds(seeds, [runs[section][1][policy] for runs in by_seed])
                 for policy in policies
             }
     payload["wall_s"] = time.monotonic() - started
@@ -125,9 +130,69 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{cost.prefill_token_s * 1e6:.1f} us/prefill token + "
         f"{cost.decode_seq_s * 1e3:.2f} ms/decoding sequence ({cost.measured}); "
         f"{args.num_blocks} blocks per replica"
+        + (f"; seeds {seeds}: medians (min-max), means in seed_means" if len(seeds) > 1 else "")
     )
     payload["sweeps"] = _replica_sweeps(payload, counts, policies)
     return write_report(out, payload)
+
+
+def _runs(
+    args: argparse.Namespace,
+    seed: int,
+    replicas: int,
+    policies: list[str],
+    engine: EngineConfig,
+    cost: CostModel,
+) -> dict[str, tuple[float, dict[str, dict[str, Any]]]]:
+    """Section -> (the oracle's hit rate, policy -> metrics) for one seed's traces."""
+    tokenizer = checkpoint_for(engine.model).tokenizer()
+    sections = {}
+    for rate, trace in traces(
+        _scaled(argparse.Namespace(**vars(args) | {"seed": seed}), replicas)
+    ).items():
+        oracle = oracle_hit_rate(trace, engine.block_hasher(), tokenizer)
+        sections[f"{replicas} replicas, {section_name(rate)}"] = (
+            oracle,
+            {
+                policy: _simulate(args, policy, replicas, engine, cost, trace)
+                | {"oracle_hit_rate": oracle}
+                for policy in policies
+            },
+        )
+    return sections
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``1-8`` or ``1,3,5`` (or both: ``1-4,9``) -> the seeds, in order."""
+    seeds: list[int] = []
+    for part in text.split(","):
+        first, dash, last = part.partition("-")
+        seeds += range(int(first), int(last) + 1) if dash else [int(first)]
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds {text!r}: no seed, or one twice")
+    return seeds
+
+
+SEED_MEANS = ("hit_rate_usage", "hit_rate_engine", "ttft_p99_s", "work_imbalance")
+
+
+def over_seeds(seeds: list[int], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One policy's runs on the traces of several seeds as one (``report.combine``: the
+    median of each number, min-max spreads, TTFT pooled), with each headline's mean over
+    the seeds (``seed_means``: what a seed-to-seed comparison of policies is judged by)
+    and the hit rate of every seed (``hit_rate_by_seed``)."""
+    if len(runs) == 1:
+        return runs[0]
+    merged = combine(runs)
+    if "error" in merged:
+        return merged
+    merged["seed_means"] = {
+        key: statistics.mean(r[key] for r in runs) for key in SEED_MEANS if key in merged
+    }
+    merged["hit_rate_by_seed"] = {
+        str(s): r["hit_rate_usage"] for s, r in zip(seeds, runs, strict=True)
+    }
+    return merged
 
 
 def _scaled(args: argparse.Namespace, replicas: int) -> argparse.Namespace:
