@@ -91,6 +91,12 @@ bench: install
 	$(PY) -m bench simulate --workload multi_turn --per-replica --replicas 128 --rates 0.75 \
 	    --conversations 6 --policies round_robin,round_robin+pull,prefill_cost,prefill_cost+pull \
 	    --out results/simulate-pull-multi_turn-128
+	$(PY) -m bench simulate --workload multi_tenant --per-replica --replicas 2,8 --rates 2 \
+	    --tenants 10000 --zipf 0.8 --seeds 1-8 --out results/simulate-seeds-multi_tenant \
+	    --policies round_robin,prefill_cost+pull,ray_prefix_sim,sglang_cache_aware,dynamo_kv
+	$(PY) -m bench simulate --workload multi_turn --per-replica --replicas 2,8 --rates 0.75 \
+	    --conversations 6 --seeds 1-8 --out results/simulate-seeds-multi_turn \
+	    --policies round_robin,prefill_cost+pull,sglang_cache_aware,dynamo_kv
 	$(BENCH_ROUTING) --workload multi_tenant --tenants 8 --zipf 2.0 --requests 160 --rates 5 \
 	    --policies round_robin,prefill_cost,prefill_cost+pull,ray_prefix \
 	    --out results/routing-hot_tenant-pull
