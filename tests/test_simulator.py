@@ -148,7 +148,11 @@ def test_a_run_over_seeds_is_the_runs_of_each_seed(tmp_path) -> None:
     assert over["oracle"][section] == pytest.approx(sum(oracles) / 2)
 
 
-def test_seeds_are_ranges_or_lists_each_once() -> None:
+def test_seeds_are_ranges_or_lists_each_once_and_never_with_a_trace_file(tmp_path) -> None:
     assert parse_seeds("1-3,7") == [1, 2, 3, 7]
     with pytest.raises(ValueError):
         parse_seeds("1-3,2")
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("")
+    with pytest.raises(ValueError, match="trace"):
+        run_bench(["simulate", "--seeds", "1-2", "--trace", str(trace), "--out", str(tmp_path)])

@@ -40,6 +40,7 @@ from bench.workloads import TraceRequest, fast_engine, oracle_hit_rate
 from kvindex.pulls import PullConfig
 from kvindex.stored import StoreConfig
 from replica.checkpoints import checkpoint_for
+from replica.checkpoints.tokenizer import Tokenizer
 from replica.config import EngineConfig
 from router.config import make_policy
 from router.policies import RoutingPolicy
@@ -107,6 +108,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     policies = [p for p in args.policies.split(",") if p]
     check_knobs(policies, json.loads(args.knobs) if args.knobs else {}, args.epsilon)
     seeds = parse_seeds(args.seeds) if args.seeds else [args.seed]
+    if args.seeds and args.trace is not None:
+        raise ValueError("--seeds generates a trace per seed; a --trace file has none")
+    tokenizer = checkpoint_for(engine.model).tokenizer()
     payload: dict[str, Any] = {
         "title": f"Simulated cluster: {args.workload}",
         "workload": vars(args) | {"out": str(out)},
@@ -116,7 +120,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     started = time.monotonic()
     for replicas in counts:
-        by_seed = [_runs(args, seed, replicas, policies, engine, cost) for seed in seeds]
+        by_seed = [
+            _runs(_seeded(args, seed), replicas, policies, engine, cost, tokenizer)
+            for seed in seeds
+        ]
         for section in by_seed[0]:
             oracles = [runs[section][0] for runs in by_seed]
             payload["oracle"][section] = statistics.mean(oracles)
@@ -138,18 +145,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _runs(
     args: argparse.Namespace,
-    seed: int,
     replicas: int,
     policies: list[str],
     engine: EngineConfig,
     cost: CostModel,
+    tokenizer: Tokenizer,
 ) -> dict[str, tuple[float, dict[str, dict[str, Any]]]]:
-    """Section -> (the oracle's hit rate, policy -> metrics) for one seed's traces."""
-    tokenizer = checkpoint_for(engine.model).tokenizer()
+    """Section -> (the oracle's hit rate, policy -> metrics) for ``args.seed``'s traces."""
     sections = {}
-    for rate, trace in traces(
-        _scaled(argparse.Namespace(**vars(args) | {"seed": seed}), replicas)
-    ).items():
+    for rate, trace in traces(_scaled(args, replicas)).items():
         oracle = oracle_hit_rate(trace, engine.block_hasher(), tokenizer)
         sections[f"{replicas} replicas, {section_name(rate)}"] = (
             oracle,
@@ -160,6 +164,10 @@ def _runs(
             },
         )
     return sections
+
+
+def _seeded(args: argparse.Namespace, seed: int) -> argparse.Namespace:
+    return argparse.Namespace(**vars(args) | {"seed": seed})
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -184,14 +192,13 @@ def over_seeds(seeds: list[int], runs: list[dict[str, Any]]) -> dict[str, Any]:
     if len(runs) == 1:
         return runs[0]
     merged = combine(runs)
-    if "error" in merged:
+    ok = {s: r for s, r in zip(seeds, runs, strict=True) if "error" not in r}
+    if not ok:
         return merged
     merged["seed_means"] = {
-        key: statistics.mean(r[key] for r in runs) for key in SEED_MEANS if key in merged
+        key: statistics.mean(r[key] for r in ok.values()) for key in SEED_MEANS if key in merged
     }
-    merged["hit_rate_by_seed"] = {
-        str(s): r["hit_rate_usage"] for s, r in zip(seeds, runs, strict=True)
-    }
+    merged["hit_rate_by_seed"] = {str(s): r["hit_rate_usage"] for s, r in ok.items()}
     return merged
 
 
