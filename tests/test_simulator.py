@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -124,7 +125,7 @@ def test_calibration_recovers_a_known_step_cost(monkeypatch: pytest.MonkeyPatch)
     assert fitted.decode_seq_s == pytest.approx(truth.decode_seq_s, rel=1e-6)
 
 
-def test_a_run_over_seeds_is_the_runs_of_each_seed(tmp_path) -> None:
+def test_a_run_over_seeds_is_the_runs_of_each_seed(tmp_path: Path) -> None:
     """``simulate --seeds``: each seed's hit rate is what a run with ``--seed`` alone gives,
     the means are the means of those runs, and the table's median and spread are theirs."""
     common = ["--replicas", "2", "--requests", "12", "--policies", "round_robin,prefill_cost"]
@@ -148,7 +149,9 @@ def test_a_run_over_seeds_is_the_runs_of_each_seed(tmp_path) -> None:
     assert over["oracle"][section] == pytest.approx(sum(oracles) / 2)
 
 
-def test_seeds_are_ranges_or_lists_each_once_and_never_with_a_trace_file(tmp_path) -> None:
+def test_seeds_are_ranges_or_lists_each_once_and_never_with_a_trace_file(
+    tmp_path: Path,
+) -> None:
     assert parse_seeds("1-3,7") == [1, 2, 3, 7]
     with pytest.raises(ValueError):
         parse_seeds("1-3,2")

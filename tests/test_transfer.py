@@ -182,7 +182,9 @@ class HolderHandle:
         return answer()
 
 
-def pull_then_serve(redis: LocalRedis, holder: Engine, handle: HolderHandle, index_down=False):
+def pull_then_serve(
+    redis: LocalRedis, holder: Engine, handle: HolderHandle, index_down: bool = False
+):
     """Index the holder's blocks, let a fresh engine's puller act (with Redis stopped first
     when ``index_down``), then serve there."""
     engine = Engine(tiny(num_blocks=64))
