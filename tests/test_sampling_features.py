@@ -190,6 +190,23 @@ def test_extreme_parameters_sample_a_token_and_never_fail_the_step(temperature: 
     engine.check_invariants()
 
 
+def test_a_penalty_that_underflows_float32_keeps_a_banned_seen_token_banned() -> None:
+    # 5e-324 is 0 in float32, and a banned token's -inf times 0 is NaN: a NaN row once
+    # raised in torch.multinomial and stopped the engine loop (schemathesis found it with
+    # a JSON format, whose mask bans most of the prompt's tokens)
+    params = SamplingParams(max_tokens=4, repetition_penalty=5e-324, min_tokens=4)
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(2))
+    out = process_logits(logits, params, PROMPT, [], end_ids=[PROMPT[3]])
+    assert not out.isnan().any()
+    assert out[PROMPT[3]] == -1e30  # still the lowest there is
+    engine = Engine(tiny(model={"eos_token_ids": [PROMPT[3]]}))
+    sampled = SamplingParams(
+        max_tokens=4, temperature=1.0, seed=1, repetition_penalty=5e-324, min_tokens=4
+    )
+    assert len(engine.generate([PROMPT], sampled)[0].token_ids) == 4
+    engine.check_invariants()
+
+
 def test_the_other_choices_go_on_when_choice_0_ends_on_its_first_token() -> None:
     """Choice 0 stops at its first token (a stop id only it samples): its blocks are
     released before the others fork from it, so they must recompute the prompt (from the

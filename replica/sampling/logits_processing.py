@@ -49,7 +49,9 @@ def process_logits(
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
         chosen = out[seen]
-        penalty = params.repetition_penalty
+        # a penalty below float32's smallest normal would round to 0 in float32, and a
+        # banned or masked token's -inf times 0 is NaN: such a penalty acts as that normal
+        penalty = max(params.repetition_penalty, torch.finfo(out.dtype).tiny)
         out[seen] = torch.where(chosen > 0, chosen / penalty, chosen * penalty)
     if (params.frequency_penalty or params.presence_penalty) and output_ids:
         counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=vocab)
