@@ -77,13 +77,7 @@ class RequestBuilder:
         stop_ids = body.stop_token_ids or []
         if any(t >= self.vocab for t in bias) or any(not 0 <= t < self.vocab for t in stop_ids):
             raise APIError(400, f"token ids must be in [0, {self.vocab})", param="logit_bias")
-        structured = structured_output(body)
-        if structured is not None and body.min_tokens:
-            raise APIError(
-                400,
-                "min_tokens: not supported with a response format or a required tool call",
-                param="min_tokens",
-            )
+        structured = structured_output(body)  # min_tokens with it: cluster.api.rules
         if isinstance(body, CompletionRequest):
             logprobs, prompt_logprobs = body.logprobs, body.logprobs if body.echo else None
         else:

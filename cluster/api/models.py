@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from annotated_types import Ge, Le
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from cluster.api import rules
 from cluster.api.formats import MAX_TOOLS, NamedToolChoice, ResponseFormat, Tool, ToolCall
 from replica.sampling.params import MAX_LOGPROBS, MAX_N
 
@@ -50,7 +51,9 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(
+        strict=True, extra="ignore", json_schema_extra=rules.published(rules.MESSAGE_RULES)
+    )
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = Field(
@@ -61,8 +64,7 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _check_role_fields(self) -> ChatMessage:
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("messages: only an assistant message has tool_calls")
+        rules.check(rules.MESSAGE_RULES, as_sent(self))
         return self
 
     @property
@@ -123,10 +125,20 @@ class _CommonRequest(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+def as_sent(body: BaseModel) -> dict[str, Any]:
+    """A validated body as JSON again, with only the fields the client sent (what the
+    document's rules are written against)."""
+    return body.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class CompletionRequest(_CommonRequest):
+    model_config = ConfigDict(
+        strict=True, extra="ignore", json_schema_extra=rules.published(rules.COMPLETION_RULES)
+    )
+
     prompt: (
         str
         | TokenIds
@@ -156,6 +168,7 @@ class CompletionRequest(_CommonRequest):
             raise ValueError("best_of: not supported (only equal to n)")
         if self.suffix:
             raise ValueError("suffix: not supported")
+        rules.check(rules.COMPLETION_RULES, as_sent(self))
         return self
 
     @property
@@ -172,6 +185,10 @@ class CompletionRequest(_CommonRequest):
 
 
 class ChatCompletionRequest(_CommonRequest):
+    model_config = ConfigDict(
+        strict=True, extra="ignore", json_schema_extra=rules.published(rules.CHAT_RULES)
+    )
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Annotated[int, Ge(1), INTEGRAL] | None = Field(
         None, description="overrides max_tokens"
@@ -181,27 +198,25 @@ class ChatCompletionRequest(_CommonRequest):
         None, description="alternatives (ignored without logprobs)"
     )
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
-        None, description="functions the model may call"
+        None, description="functions the model may call; their names must be unique (else 400)"
     )
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        None, description="default: auto with tools, none without"
+        None,
+        description="default: auto with tools, none without; a named function must be one "
+        "of tools (else 400)",
     )
     parallel_tool_calls: bool | None = Field(None, description="accepted: one call per reply")
 
     @model_validator(mode="after")
     def _check_tools(self) -> ChatCompletionRequest:
+        rules.check(rules.CHAT_RULES, as_sent(self))
+        # the two rules JSON Schema cannot state (cluster.api.rules)
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
             raise ValueError("tools: function names must be unique")
         choice = self.tool_choice
-        if choice not in (None, "none") and not names:
-            raise ValueError("tool_choice: needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"tool_choice: no tool is named {choice.function.name!r}")
-        constrained = self.tool_mode in ("required", "named")
-        fmt = self.response_format
-        if constrained and fmt is not None and fmt.type != "text":
-            raise ValueError("response_format: not with tool_choice required or named")
         return self
 
     @property
