@@ -26,6 +26,7 @@ test: install
 
 serve: install
 	scripts/ensure-system.sh start 6379
+	$(PY) scripts/wait_ready.py --url http://127.0.0.1:8000 &
 	$(VENV)/bin/serve run deploy/config.yaml
 
 lint: install

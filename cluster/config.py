@@ -90,7 +90,7 @@ class ClusterArgs(BaseModel):
         description="the second cache tier: evicted blocks kept in a node-shared store",
     )
     api_keys: list[str] = Field(
-        default_factory=list, description="if any, required as 'Bearer <key>' (not /health)"
+        default_factory=list, description="if any, required as 'Bearer <key>' (not /health, /ready)"
     )
     share_cache_across_keys: bool = Field(
         False, description="with api_keys: let different keys share cached prefixes"

@@ -32,7 +32,9 @@ from cluster.api.tools import template_messages, template_tools
 from cluster.config import ClusterArgs
 from cluster.engine_stream import EngineStream
 from cluster.metrics_share import MetricsShare
+from cluster.readiness import Readiness, readiness
 from cluster.request_builder import RequestBuilder
+from kvindex.reader import IndexReader
 from replica.checkpoints import checkpoint_for
 from replica.messages import EngineRequest, RequestOutput
 from router import link
@@ -149,6 +151,7 @@ class Ingress:
         self.started = int(time.time())
         self.admission = Admission(self.args, link.LINK.others_in_flight, link.LINK.engine_replicas)
         self.requests = RequestBuilder(self.args, self.hasher)
+        self.index = IndexReader(self.args.index, self.model_id)  # readiness reads it
         self.metrics_share = None  # with several ingress replicas: every one's in a scrape
         if self.args.ingress_replicas > 1:
             self.metrics_share = MetricsShare(
@@ -164,11 +167,24 @@ class Ingress:
         share = getattr(self, "metrics_share", None)  # its router's bookings the index
         if share is not None:
             share.stop()
+        index = getattr(self, "index", None)
+        if index is not None:
+            index.close()
         link.LINK.close()
 
     @app.get("/health")
     async def health(self) -> dict[str, str]:
+        """Liveness: the ingress runs (``/ready`` says whether the cluster can serve)."""
         return {"status": "ok"}
+
+    @app.get("/ready", response_model=Readiness)
+    async def ready(self) -> JSONResponse:
+        """Readiness (``cluster.readiness``): 200 with the report, else 503 saying why."""
+        report = await readiness(self.args, link.LINK.engine_replicas, self.index)
+        if report.ready:
+            return JSONResponse(report.to_dict())
+        error = APIError(503, f"not ready: {report.reason}", "server_error", code="not_ready")
+        return JSONResponse({**error.body(), "readiness": report.to_dict()}, status_code=503)
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:

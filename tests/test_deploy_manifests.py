@@ -81,6 +81,9 @@ def test_the_rayservice_has_head_and_workers_with_resources_and_finds_redis() ->
             assert requests["cpu"] and requests["memory"] and container["image"]
     workers = cluster["workerGroupSpecs"][0]
     assert workers["minReplicas"] <= workers["replicas"] <= workers["maxReplicas"]
+    for container in workers["template"]["spec"]["containers"]:  # ready = can serve
+        probe = " ".join(container["readinessProbe"]["exec"]["command"])
+        assert "localhost:8000/ready" in probe and "local_raylet_healthz" in probe
     redis_docs = documents(KUBE / "redis.yaml")
     (deployment,) = [d for d in redis_docs if d["kind"] == "Deployment"]
     (svc,) = [d for d in redis_docs if d["kind"] == "Service"]

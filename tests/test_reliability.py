@@ -67,9 +67,12 @@ def assert_openai_error(resp: httpx.Response, status: int | None = None) -> dict
     return body["error"]
 
 
-def test_api_keys_guard_everything_but_health(cluster: ServeCluster) -> None:
+def test_api_keys_guard_everything_but_the_probes(cluster: ServeCluster) -> None:
     url = cluster.base_url
     assert httpx.get(f"{url}/health").status_code == 200
+    ready = httpx.get(f"{url}/ready")  # a probe carries no key
+    assert ready.status_code == 200 and ready.json()["ready"], ready.text
+    assert ready.json()["engine_replicas"] == ready.json()["wanted_replicas"]
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY}):
         for method, path in (

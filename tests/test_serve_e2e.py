@@ -396,6 +396,11 @@ def test_serving_goes_on_with_affinity_while_redis_is_down(
 ) -> None:
     redis_server.stop()
     try:
+        ready = httpx.get(f"{cluster.base_url}/ready")  # ready, in a mode it states
+        assert ready.status_code == 200, ready.text
+        report = ready.json()
+        assert report["indexed_replicas"] is None and report["engine_replicas"] == 2
+        assert report["index"].startswith("the index is unreachable")
         system = SYSTEM + "Redis is down."
         replicas = {chat(client, system, f"Q{i}?")[1] for i in range(4)}
         assert len(replicas) == 1

@@ -259,27 +259,51 @@ class ServeCluster:
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         index = IndexReader(self.args.index, self.args.engine.model_id)
-        while time.monotonic() < deadline:
-            if self._proc is not None and self._proc.poll() is not None:
-                raise RuntimeError(f"serve run exited; see {self.log_path}")
-            try:
-                healthy = httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                healthy = False
-            scaling = self.args.autoscaling
-            wanted = scaling.min_replicas if scaling else self.args.num_replicas
-            indexed = healthy and (not index.ping() or len(index.live_replicas()) >= wanted)
-            if indexed and self._router_sees(wanted):
-                index.close()
-                return
-            time.sleep(0.5)
+        scaling = self.args.autoscaling
+        wanted = scaling.min_replicas if scaling else self.args.num_replicas
+        try:
+            while time.monotonic() < deadline:
+                if self._proc is not None and self._proc.poll() is not None:
+                    raise RuntimeError(f"serve run exited; see {self.log_path}")
+                if self._ready(index, wanted):
+                    return
+                time.sleep(0.5)
+        finally:
+            index.close()
         raise TimeoutError(f"cluster not ready after {timeout_s:.0f} s; see {self.log_path}")
 
+    def _ready(self, index: IndexReader, wanted: int) -> bool:
+        """The cluster's ``/ready`` says so, with every wanted replica in the index and in
+        the router's view. A replica joins the index from its ``__init__``, before Serve's
+        controller has marked it running and told the routers, so a first request could
+        find one replica of two (a test of round robin saw it). Ray's own routers report
+        no view: not waited for."""
+        try:
+            resp = httpx.get(f"{self.base_url}/ready", timeout=5)
+        except httpx.HTTPError:
+            return False
+        if resp.status_code == 404:  # another revision, from before /ready
+            return self._ready_by_parts(index, wanted)
+        if resp.status_code != 200:
+            return False
+        report = resp.json()
+        indexed, routed = report["indexed_replicas"], report["routed_replicas"]
+        in_index = indexed is None or indexed >= wanted  # None: Redis down, stated
+        ray_routing = isinstance(self.args.routing, RayRouting)
+        return in_index and (ray_routing or (routed or 0) >= wanted)
+
+    def _ready_by_parts(self, index: IndexReader, wanted: int) -> bool:
+        """Readiness where ``/ready`` is missing: ``/health``, the index and the router."""
+        try:
+            healthy = httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+        indexed = healthy and (not index.ping() or len(index.live_replicas()) >= wanted)
+        return indexed and self._router_sees(wanted)
+
     def _router_sees(self, wanted: int) -> bool:
-        """The ingress's request router knows ``wanted`` engine replicas. A replica joins
-        the index from its ``__init__``, before Serve's controller has marked it running
-        and told the routers, so a first request could find one replica of two (a test
-        of round robin saw it). Ray's own routers report nothing here: not waited for."""
+        """The ingress's request router knows ``wanted`` engine replicas (Ray's own
+        routers report nothing here: not waited for)."""
         if isinstance(self.args.routing, RayRouting):
             return True
         try:

@@ -1,4 +1,5 @@
-"""Optional API keys: with keys configured, every path but ``/health`` needs
+"""Optional API keys: with keys configured, every path but ``/health`` and ``/ready`` (the
+probes) needs
 ``Authorization: Bearer <key>`` (what the openai SDK sends); otherwise a 401 in OpenAI form.
 
 The keys live here, set by the ingress at start, and the middleware reads them here: Serve
@@ -14,7 +15,7 @@ from fastapi import Request, Response
 
 from cluster.api.errors import APIError
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ready"})
 _keys: tuple[bytes, ...] = ()
 
 

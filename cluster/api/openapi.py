@@ -34,8 +34,9 @@ _ERRORS = {
     "404": "The model is not the one served (code model_not_found)",
     "413": "The body is over the server's max_request_bytes (code request_too_large)",
     "500": "Internal error (never a stack trace)",
-    "503": "Overloaded (code overloaded, with retry-after) or no replica could serve the "
-    "request (code replica_failed)",
+    "503": "Overloaded (code overloaded, with retry-after), no replica could serve the "
+    "request (code replica_failed), or (GET /ready) the cluster cannot serve yet (code "
+    "not_ready, with the readiness report as readiness)",
 }
 # with "stream": true, each server-sent event: a JSON chunk in data, the last one [DONE]
 _SSE_EVENT = {
@@ -51,6 +52,7 @@ _STATUSES = {
     ("get", "/metrics"): ("401", "500"),
     ("get", "/cluster/stats"): ("401", "500"),
     ("get", "/health"): ("500",),
+    ("get", "/ready"): ("500", "503"),
 }
 
 
