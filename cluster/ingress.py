@@ -18,13 +18,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from cluster.admission import Admission
 from cluster.api import auth, body_limit
 from cluster.api import metrics as api_metrics
-from cluster.api.errors import (
-    APIError,
-    install_handlers,
-    overloaded,
-)
+from cluster.api.errors import APIError, install_handlers
 from cluster.api.models import ChatCompletionRequest, CompletionRequest
 from cluster.api.openapi import install_openapi
 from cluster.api.responses import ReleasingStreamingResponse, Reply
@@ -45,78 +42,6 @@ app.add_middleware(body_limit.BodyLimit)  # outermost: before a key is checked o
 install_handlers(app)
 # Serve pickles ``Ingress`` by value when it is decorated: helpers are defined above it, and
 # shared state (metrics) is reached through its module, never bound as a global here.
-
-
-class Admission:
-    """Requests this ingress has in the engines, capped so overload is refused at the door
-    (503 at once) instead of waiting in a queue: engine replicas x ``max_ongoing_requests``
-    plus ``max_queued_requests`` (no cap when that is -1) for the whole cluster.
-
-    The engine replicas counted are the ones Serve runs (``replicas``, from the router:
-    scaling in place moves the cap), up at once and down only once the lower count has held
-    for ``DOWN_AFTER_S`` (a killed replica being replaced keeps its slots meanwhile); the
-    configured count while the router cannot tell; with autoscaling, ``max_replicas`` (a
-    cap at today's count would refuse the load that should scale it up).
-
-    ``others`` tells how many requests the other ingress replicas have in the engines (their
-    routers' shared bookings, from this router's mirror of the index: ``router.link``), so
-    the cap is one for the cluster; while it cannot tell (None: no mirror, or not synced),
-    each ingress takes an even share of the cap (the proxy spreads requests over them).
-    """
-
-    DOWN_AFTER_S = 30.0
-
-    def __init__(
-        self,
-        args: ClusterArgs,
-        others: Callable[[], int | None] = lambda: None,
-        replicas: Callable[[], int | None] = lambda: None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.args = args
-        self.others, self.replicas, self.clock = others, replicas, clock
-        self._count = args.max_engine_replicas
-        self._lately: list[tuple[float, int]] = []  # (until when, count) of recent counts
-        self.in_flight = 0
-
-    def engine_replicas(self) -> int:
-        """The engine replicas the cap counts (the class docstring)."""
-        if self.args.autoscaling is not None:
-            return self.args.max_engine_replicas
-        now, count = self.clock(), self.replicas()
-        if count and count != self._count:
-            self._lately.append((now + self.DOWN_AFTER_S, self._count))
-            self._count = count
-        self._lately = [(until, n) for until, n in self._lately if until > now]
-        return max([self._count] + [n for _, n in self._lately])
-
-    @property
-    def cluster_limit(self) -> int | None:
-        queued = self.args.max_queued_requests
-        if queued < 0:
-            return None
-        return self.engine_replicas() * self.args.max_ongoing_requests + queued
-
-    @property
-    def limit(self) -> int | None:
-        """What this ingress may still hold: the cluster's cap less the others' requests."""
-        cluster = self.cluster_limit
-        if cluster is None or self.args.ingress_replicas == 1:
-            return cluster
-        others = self.others()
-        if others is None:
-            return -(-cluster // self.args.ingress_replicas)  # an even share
-        return cluster - others
-
-    def enter(self, count: int = 1) -> None:
-        """Take ``count`` slots (a batch of prompts takes one each), or refuse with 503."""
-        limit = self.limit
-        if limit is not None and self.in_flight + count > limit:
-            raise overloaded()
-        self.in_flight += count
-
-    def leave(self, count: int = 1) -> None:
-        self.in_flight -= count
 
 
 def _replica_name() -> str | None:

@@ -1,6 +1,6 @@
 """The two rules of the API that no JSON Schema can state, taught to schemathesis's generator.
 
-Every other rule between fields is in the OpenAPI document itself (``cluster.api.rules``:
+Every other rule between fields is in the OpenAPI document itself (``cluster.api.formats``:
 ``if``/``then`` in each body's schema, checked by the server with the same schema), so
 schemathesis generates bodies that keep them with no help. These two compare one value of a
 body with another, which JSON Schema cannot do (the ``$data`` proposal never became

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 from conftest import tiny
 
+from cluster.admission import Admission
 from cluster.api.errors import APIError
 from cluster.config import ClusterArgs
-from cluster.ingress import Admission
 
 
 def args(ingress_replicas: int, queued: int = 4) -> ClusterArgs:

@@ -1,5 +1,5 @@
 """The rules between a body's fields: the OpenAPI document's schema for a body refuses
-exactly the bodies the server refuses for them (``cluster.api.rules``), rule by rule, and
+exactly the bodies the server refuses for them (``cluster.api.formats``), rule by rule, and
 takes the body once the rule holds; the two rules JSON Schema cannot state are the
 server's alone."""
 
@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from cluster.api import rules
+from cluster.api import formats as rules  # the rule table
 from cluster.api.models import ChatCompletionRequest, CompletionRequest
 
 TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}

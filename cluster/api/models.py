@@ -14,8 +14,18 @@ from typing import Annotated, Any, Literal
 from annotated_types import Ge, Le
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from cluster.api import rules
-from cluster.api.formats import MAX_TOOLS, NamedToolChoice, ResponseFormat, Tool, ToolCall
+from cluster.api.formats import (
+    CHAT_RULES,
+    COMPLETION_RULES,
+    MAX_TOOLS,
+    MESSAGE_RULES,
+    NamedToolChoice,
+    ResponseFormat,
+    Tool,
+    ToolCall,
+    check_rules,
+    published,
+)
 from replica.sampling.params import MAX_LOGPROBS, MAX_N
 
 MAX_STOPS = 4
@@ -52,7 +62,7 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(
-        strict=True, extra="ignore", json_schema_extra=rules.published(rules.MESSAGE_RULES)
+        strict=True, extra="ignore", json_schema_extra=published(MESSAGE_RULES)
     )
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -64,7 +74,7 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _check_role_fields(self) -> ChatMessage:
-        rules.check(rules.MESSAGE_RULES, as_sent(self))
+        check_rules(MESSAGE_RULES, as_sent(self))
         return self
 
     @property
@@ -136,7 +146,7 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 class CompletionRequest(_CommonRequest):
     model_config = ConfigDict(
-        strict=True, extra="ignore", json_schema_extra=rules.published(rules.COMPLETION_RULES)
+        strict=True, extra="ignore", json_schema_extra=published(COMPLETION_RULES)
     )
 
     prompt: (
@@ -168,7 +178,7 @@ class CompletionRequest(_CommonRequest):
             raise ValueError("best_of: not supported (only equal to n)")
         if self.suffix:
             raise ValueError("suffix: not supported")
-        rules.check(rules.COMPLETION_RULES, as_sent(self))
+        check_rules(COMPLETION_RULES, as_sent(self))
         return self
 
     @property
@@ -185,9 +195,7 @@ class CompletionRequest(_CommonRequest):
 
 
 class ChatCompletionRequest(_CommonRequest):
-    model_config = ConfigDict(
-        strict=True, extra="ignore", json_schema_extra=rules.published(rules.CHAT_RULES)
-    )
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=published(CHAT_RULES))
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Annotated[int, Ge(1), INTEGRAL] | None = Field(
@@ -209,8 +217,8 @@ class ChatCompletionRequest(_CommonRequest):
 
     @model_validator(mode="after")
     def _check_tools(self) -> ChatCompletionRequest:
-        rules.check(rules.CHAT_RULES, as_sent(self))
-        # the two rules JSON Schema cannot state (cluster.api.rules)
+        check_rules(CHAT_RULES, as_sent(self))
+        # the two rules JSON Schema cannot state (cluster.api.formats)
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
             raise ValueError("tools: function names must be unique")
