@@ -33,6 +33,10 @@ from replica.store_publisher import StorePublisher
 if TYPE_CHECKING:
     from replica.engine.transfer import PrefixExport
 
+# how long a finished answer waits for its blocks' spill (it is ~1 ms a block; a spiller
+# that far behind must not hold answers back)
+SPILL_WAIT_S = 1.0
+
 log = logging.getLogger("ray.serve")
 
 
@@ -71,6 +75,7 @@ class EngineReplica:
         self._attach_store()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._pending: set[asyncio.Task[None]] = set()  # answers waiting for their spill
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
@@ -261,10 +266,35 @@ class EngineReplica:
                 for queue in self._streams.values():
                     queue.put_nowait(exc)
                 return
-            for out in outputs:  # every choice streams with its request
-                queue = self._streams.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out.streamed(self.replica_id))
+            self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Every choice streams with its request; a finished one once the blocks its step
+        released are in the node store (``StoreTier.wait_spilled``), so the client's next
+        request for the prefix finds them on any replica of the node."""
+        tier = self.engine.store
+        ticket = tier.ticket() if tier is not None else 0
+        for out in outputs:
+            queue = self._streams.get(out.request_id)
+            if queue is None:
+                continue
+            item = out.streamed(self.replica_id)
+            if out.finished and tier is not None and not tier.spilled(ticket):
+                wait = functools.partial(tier.wait_spilled, ticket, SPILL_WAIT_S)
+                self._spawn(self._after(wait, queue, item))
+            else:
+                queue.put_nowait(item)
+
+    async def _after(
+        self, wait: Any, queue: asyncio.Queue[RequestOutput | BaseException], item: RequestOutput
+    ) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, wait)  # off the engine's thread
+        queue.put_nowait(item)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._pending.add(task)  # held until done (the loop keeps only weak references)
+        task.add_done_callback(self._pending.discard)
 
     def _audit(self) -> None:
         """Check the block accounting whenever the engine falls idle (on its thread)."""

@@ -175,3 +175,21 @@ def test_a_full_disk_skips_the_write_and_serving_goes_on(tmp_path, monkeypatch) 
     assert not [n for n in os.listdir(disk.directory)]  # no temporary file left behind
     again = served(engine)
     assert again.token_ids == first.token_ids
+
+
+def test_a_ticket_is_spilled_once_every_spill_handed_over_before_it_is_stored() -> None:
+    """What a replica waits on before a finished answer leaves (``wait_spilled``): after
+    it, the answer's released blocks are in the store, for any replica of the node."""
+    config = tiny(num_blocks=64)
+    store = node_store(config)
+    engine = Engine(config)
+    tier = StoreTier(store, background=True)
+    engine.attach_store(tier)
+    assert tier.spilled(tier.ticket())  # nothing handed over: nothing to wait for
+    served(engine)
+    ticket = tier.ticket()
+    assert ticket >= 1
+    assert tier.wait_spilled(ticket, timeout_s=10.0)
+    assert tier.spilled(ticket) and tier.counters.spill_wait_timeouts == 0
+    neighbour = with_tier(config, store)
+    assert served(neighbour).num_cached_tokens == 8 * BS  # all of it, from the store

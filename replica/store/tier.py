@@ -65,6 +65,9 @@ class TierCounters:
     restored_disk_blocks: int = 0  # imported from disk
     restore_rejected: int = 0  # found, then refused (verification, torn, no room)
     restore_seconds: float = 0.0
+    spill_waits: int = 0  # finished requests whose answer waited for their spill
+    spill_wait_seconds: float = 0.0  # how long they waited, in all
+    spill_wait_timeouts: int = 0  # of them, those that gave up waiting (SPILL_WAIT_S)
 
     def to_dict(self) -> dict[str, Any]:
         return {f"store_{k}": v for k, v in asdict(self).items()}
@@ -88,6 +91,8 @@ class StoreTier:
         self._thread: threading.Thread | None = None
         self._idle = threading.Event()
         self._idle.set()
+        self._progress = threading.Condition()
+        self._handed = self._done = 0  # spill jobs handed to the thread, and finished
 
     # -- spill ----------------------------------------------------------------------------
 
@@ -117,7 +122,31 @@ class StoreTier:
             self._thread = threading.Thread(target=self._run, name="store-spill", daemon=True)
             self._thread.start()
         self._idle.clear()
+        with self._progress:
+            self._handed += 1
         self._queue.put((items, pool, generations))
+
+    def ticket(self) -> int:
+        """A mark of every spill handed over so far (``wait_spilled`` waits for them)."""
+        with self._progress:
+            return self._handed
+
+    def spilled(self, ticket: int) -> bool:
+        with self._progress:
+            return self._done >= ticket
+
+    def wait_spilled(self, ticket: int, timeout_s: float) -> bool:
+        """Wait until the spills handed over before ``ticket`` are in the store; False if
+        ``timeout_s`` passed first. A replica holds a finished request's answer back this
+        way, so the next request for its prefix, on any replica of the node, restores it
+        instead of racing the copy (a client's next request comes within milliseconds)."""
+        start = time.perf_counter()
+        with self._progress:
+            done = self._progress.wait_for(lambda: self._done >= ticket, timeout_s)
+        self.counters.spill_waits += 1
+        self.counters.spill_wait_seconds += time.perf_counter() - start
+        self.counters.spill_wait_timeouts += not done
+        return done
 
     def wait_idle(self, timeout_s: float = 10.0) -> bool:
         """Whether every spill handed over so far is done (tests, shutdown)."""
@@ -130,6 +159,9 @@ class StoreTier:
                 self._spill_now(*job)
             except Exception:  # never let one bad block stop spilling
                 log.exception("spilling into the node store failed")
+            with self._progress:
+                self._done += 1
+                self._progress.notify_all()
             if self._queue.empty():
                 self._idle.set()
 
