@@ -234,3 +234,45 @@ def test_a_discarded_block_is_gone() -> None:
     s.put(key(1), None, [1] * BS, block(1))
     assert s.discard(key(1)) and s.find(key(1)) is None and not s.discard(key(1))
     assert not s.meta["flags"][0] & VALID
+
+
+def test_a_store_outlives_a_restart_only_for_the_same_weights_and_code(tmp_path) -> None:
+    """The fingerprint covers what computed the blocks (``ModelRunner.kv_source``): the
+    weights' files as this machine knows them (a rewritten file is other weights), the
+    random weights' seed, and the code's numerics (kernels or torch)."""
+    from conftest import tiny
+
+    from replica.checkpoints.registry import file_identity
+    from replica.model.runner import ModelRunner, numerics
+
+    layout = ("torch.float32", (NBYTES,))
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"one")
+    before = file_identity(weights)
+    assert file_identity(weights) == before  # the same file, read again
+    weights.write_bytes(b"two")
+    os.utime(weights, ns=(1, 1))
+    assert file_identity(weights) != before
+    prints = {
+        fingerprint("m", BS, b"", layout, source)
+        for source in (before, file_identity(weights), numerics(True), numerics(False))
+    }
+    assert len(prints) == 4 and PRINT not in prints
+    seeded = {ModelRunner(tiny(seed=seed, num_blocks=8)).kv_source for seed in (0, 1)}
+    assert len(seeded) == 2
+    assert ModelRunner(tiny(num_blocks=8)).kv_source in seeded  # the same engine, again
+
+
+def test_clear_removes_every_store_nobody_has_open(tmp_path, capsys) -> None:
+    from replica.store.__main__ import main
+
+    d = str(tmp_path)
+    g = StoreGeometry(BS, NBYTES, 1, 2)
+    open_node_store(d, "a", PRINT, g).close()
+    kept = open_node_store(d, "b", PRINT, g)
+    assert main(["clear", "--directory", d]) == 0
+    assert sorted(os.listdir(d)) == sorted(
+        os.path.basename(p) for p in (kept.path, kept.users_path)
+    )
+    assert "1 store(s) removed" in capsys.readouterr().out
+    kept.close()

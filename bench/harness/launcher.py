@@ -28,12 +28,12 @@ import httpx
 import yaml
 
 from bench.harness.private_ray import PrivateRay
+from bench.harness.ready import cluster_ready
 from bench.harness.redis_server import free_port
 from cluster.config import ClusterArgs
 from kvindex.reader import IndexReader
 from kvindex.stored import store_namespace
 from replica.store.files import remove_cluster_stores
-from router.config import RayRouting
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -135,11 +135,14 @@ class ServeCluster:
             raise
         return self
 
-    def stop(self, timeout_s: float = 60.0, keep_logs: bool = False) -> None:
+    def stop(
+        self, timeout_s: float = 60.0, keep_logs: bool = False, keep_store: bool = False
+    ) -> None:
         """SIGINT first: ``serve run`` then shuts Serve down gracefully (replicas run their
         destructors and leave the index). SIGTERM if that hangs (Ray stops, destructors do
         not run), SIGKILL last.
 
+        ``keep_store``: leave the node's store for a cluster started after this one.
         The temporary folder (config and ``serve.log``) is removed after a graceful stop,
         and kept for a post-mortem when ``keep_logs`` is set (a failed test or run) or the
         stop was not graceful; its path is then printed on stderr."""
@@ -150,9 +153,11 @@ class ServeCluster:
         if self._own_ray and self._ray is not None:  # this cluster's own Ray, nothing else
             self._ray.stop()
             self._ray = None
-        # the node store outlives replicas by design; a test's or a run's cluster is gone
-        store = self.args.store
-        remove_cluster_stores(store.directory, store_namespace(self.args.index))
+        # the node store outlives its cluster by design (a restart starts warm); a test's
+        # or a run's cluster is gone for good, unless a restart is what it tests
+        if not keep_store:
+            store = self.args.store
+            remove_cluster_stores(store.directory, store_namespace(self.args.index))
         if keep_logs or not graceful:
             sys.stderr.write(f"serve run's config and log are kept in {self._dir}\n")
         elif self._dir.exists():
@@ -265,52 +270,12 @@ class ServeCluster:
             while time.monotonic() < deadline:
                 if self._proc is not None and self._proc.poll() is not None:
                     raise RuntimeError(f"serve run exited; see {self.log_path}")
-                if self._ready(index, wanted):
+                if cluster_ready(self.base_url, self.args, index, wanted, self.stats):
                     return
                 time.sleep(0.5)
         finally:
             index.close()
         raise TimeoutError(f"cluster not ready after {timeout_s:.0f} s; see {self.log_path}")
-
-    def _ready(self, index: IndexReader, wanted: int) -> bool:
-        """The cluster's ``/ready`` says so, with every wanted replica in the index and in
-        the router's view. A replica joins the index from its ``__init__``, before Serve's
-        controller has marked it running and told the routers, so a first request could
-        find one replica of two (a test of round robin saw it). Ray's own routers report
-        no view: not waited for."""
-        try:
-            resp = httpx.get(f"{self.base_url}/ready", timeout=5)
-        except httpx.HTTPError:
-            return False
-        if resp.status_code == 404:  # another revision, from before /ready
-            return self._ready_by_parts(index, wanted)
-        if resp.status_code != 200:
-            return False
-        report = resp.json()
-        indexed, routed = report["indexed_replicas"], report["routed_replicas"]
-        in_index = indexed is None or indexed >= wanted  # None: Redis down, stated
-        ray_routing = isinstance(self.args.routing, RayRouting)
-        return in_index and (ray_routing or (routed or 0) >= wanted)
-
-    def _ready_by_parts(self, index: IndexReader, wanted: int) -> bool:
-        """Readiness where ``/ready`` is missing: ``/health``, the index and the router."""
-        try:
-            healthy = httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-        indexed = healthy and (not index.ping() or len(index.live_replicas()) >= wanted)
-        return indexed and self._router_sees(wanted)
-
-    def _router_sees(self, wanted: int) -> bool:
-        """The ingress's request router knows ``wanted`` engine replicas (Ray's own
-        routers report nothing here: not waited for)."""
-        if isinstance(self.args.routing, RayRouting):
-            return True
-        try:
-            replicas = self.stats().get("replicas") or {}
-        except (httpx.HTTPError, ValueError):
-            return False
-        return len(replicas) >= wanted
 
     def __enter__(self) -> ServeCluster:
         return self.start()

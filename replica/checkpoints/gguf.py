@@ -20,6 +20,7 @@ import numpy as np
 
 from replica.checkpoints import Checkpoint, CheckpointError
 from replica.checkpoints.gguf_file import GGUFFile
+from replica.checkpoints.registry import file_identity
 from replica.checkpoints.tokenizer import END_TOKENS, HFTokenizer, Tokenizer
 from replica.checkpoints.tokenizer_cache import tokenizer_folder
 from replica.model.shape import ModelShape
@@ -107,6 +108,9 @@ class GGUFCheckpoint(Checkpoint):
 
     def tokenizer(self) -> Tokenizer:
         return _tokenizer(self.path)
+
+    def identity(self) -> str:
+        return file_identity(self.path)
 
 
 @functools.lru_cache(maxsize=4)

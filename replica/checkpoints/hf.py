@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from replica.checkpoints import Checkpoint, CheckpointError
+from replica.checkpoints.registry import file_identity
 from replica.checkpoints.tokenizer import END_TOKENS, HFTokenizer, Tokenizer
 from replica.model.shape import ModelShape
 
@@ -38,6 +39,11 @@ class HFFolderCheckpoint(Checkpoint):
             except Exception as exc:  # a truncated or corrupt file
                 raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
         return {k: v.float() for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+
+    def identity(self) -> str:
+        return file_identity(
+            self.folder / "config.json", *sorted(self.folder.glob("*.safetensors"))
+        )
 
     def tokenizer(self) -> Tokenizer:
         if not (self.folder / "tokenizer.json").is_file():

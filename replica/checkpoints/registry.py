@@ -48,6 +48,22 @@ class Checkpoint(abc.ABC):
     @abc.abstractmethod
     def tokenizer(self) -> Tokenizer: ...
 
+    @abc.abstractmethod
+    def identity(self) -> str:
+        """What tells these weights from others of the same name on this machine (the node
+        store keys on it, so a store outlives a restart only for the very same weights)."""
+
+
+def file_identity(*paths: Path) -> str:
+    """Files as this machine knows them: path, size, modification time and inode. A
+    replaced or rewritten file is another identity; a copy elsewhere is too (only the
+    node's own store compares them, so that errs on the cold side)."""
+    parts = []
+    for path in paths:
+        st = path.stat()
+        parts.append(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_dev}:{st.st_ino}")
+    return "|".join(parts)
+
 
 class RandomCheckpoint(Checkpoint):
     """Seeded random weights of a given shape, with the byte tokenizer: no file at all."""
@@ -65,6 +81,9 @@ class RandomCheckpoint(Checkpoint):
 
     def tokenizer(self) -> Tokenizer:
         return ByteTokenizer()
+
+    def identity(self) -> str:  # the engine seeds the weights: it adds its seed
+        return f"random:{self._shape.model_dump_json()}"
 
 
 def checkpoint_for(model: str | ModelShape) -> Checkpoint:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
+from pathlib import Path
+
 import torch
 
 from replica.checkpoints import CheckpointError, checkpoint_for
@@ -36,6 +40,9 @@ class ModelRunner:
         self.model = model.to(dtype).eval()
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         self.use_kernel = _use_kernel(config.deterministic)
+        weights = checkpoint.identity() + (f"|seed={config.seed}" if state is None else "")
+        # what a block's KV depends on besides its tokens: the node store keys on it
+        self.kv_source = f"{weights}|{dtype}|{numerics(self.use_kernel)}"
         # after counting: packed weights are no parameters
         pack_linears(self.model, kernel=self.use_kernel)
         m = config.shape
@@ -77,6 +84,19 @@ class ModelRunner:
             meta,
         )
         return self.model.compute_logits(hidden[torch.tensor(last_rows, dtype=torch.long)])
+
+
+@functools.cache
+def numerics(use_kernel: bool) -> str:
+    """What computes the KV here, as an id: the model code's source and the kernels' build
+    (their source, compiler flags, torch version and CPU), or torch's version without them.
+    Blocks computed under another id may differ in their last bits, so a store written by
+    other code is never read (``replica.store.layout.fingerprint``)."""
+    digest = hashlib.blake2b(digest_size=8)
+    for source in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(source.read_bytes())
+    engine = kernels.library_path().name if use_kernel else f"torch-{torch.__version__}"
+    return f"{engine}|model-{digest.hexdigest()}"
 
 
 def _use_kernel(deterministic: bool) -> bool:

@@ -26,7 +26,9 @@ def build_tier(engine: Any, config: StoreConfig, index: IndexConfig) -> StoreTie
     data = kv.data
     layout = (str(data.dtype), tuple(data.shape[1:]))
     hasher = engine.hasher
-    print_ = fingerprint(hasher.model_id, hasher.block_size, hasher.secret, layout)
+    print_ = fingerprint(
+        hasher.model_id, hasher.block_size, hasher.secret, layout, engine.runner.kv_source
+    )
     namespace = store_namespace(index)
     block_bytes = data[0].nbytes
     try:

@@ -175,12 +175,15 @@ def _remove_if_unused(path: str, stale_after_s: float) -> bool:
         os.close(fd)
 
 
-def remove_cluster_stores(directory: str, cluster: str) -> list[str]:
-    """Remove every unused store of ``cluster`` (a test's or a benchmark's teardown)."""
+def remove_cluster_stores(directory: str, cluster: str | None) -> list[str]:
+    """Remove every unused store of ``cluster`` (None: of every cluster) in ``directory``:
+    a test's or a benchmark's teardown, and ``python -m replica.store clear``. A store some
+    process has open is left alone."""
     removed = []
+    start = FILE_PREFIX if cluster is None else f"{FILE_PREFIX}{cluster}-"
     with contextlib.suppress(OSError):
         for name in os.listdir(directory):
-            if name.startswith(f"{FILE_PREFIX}{cluster}-") and not name.endswith(SIDECARS):
+            if name.startswith(start) and not name.endswith(SIDECARS):
                 path = os.path.join(directory, name)
                 if _remove_if_unused(path, 0.0):
                     removed.append(path)

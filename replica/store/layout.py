@@ -19,9 +19,13 @@ exist), the block's hash and its parent's as two little-endian uint64 each, and 
 ``block_size`` token ids (uint32).
 
 The fingerprint (``fingerprint``) covers the format version, the model id, the block
-size, the hash secret (its digest, never the secret) and the KV layout (dtype and a
-block's shape): replicas that could not use each other's blocks never open the same file,
-and a header that disagrees with its name is never read (``NodeStore.open`` replaces it).
+size, the hash secret (its digest, never the secret), the KV layout (dtype and a block's
+shape) and what computed the blocks (the weights files as this machine knows them, and the
+code's numerics: ``replica.model.runner.numerics``): replicas that could not use each
+other's blocks never open the same file, and a header that disagrees with its name is never
+read (``NodeStore.open`` replaces it). A store outlives its cluster on purpose (a restart
+starts warm); the fingerprint is what keeps a restart with other weights or other code
+from reading it.
 """
 
 from __future__ import annotations
@@ -77,12 +81,18 @@ def join_hash(h0: int, h1: int) -> bytes:
 
 
 def fingerprint(
-    model_id: str, block_size: int, secret: bytes, layout: tuple[str, tuple[int, ...]]
+    model_id: str,
+    block_size: int,
+    secret: bytes,
+    layout: tuple[str, tuple[int, ...]],
+    source: str = "",
 ) -> bytes:
-    """What must match for two engines to use each other's blocks (see the module)."""
+    """What must match for two engines to use each other's blocks (see the module).
+    ``source``: what computed them (the runner's ``kv_source``: the weights' identity and
+    the code's numerics), so a store outliving a restart is read only by the same."""
     dtype, shape = layout
     secret_digest = hashlib.blake2b(secret, digest_size=16, person=b"store-secret").digest()
-    text = f"v{VERSION}|{model_id}|{block_size}|{dtype}|{shape}".encode()
+    text = f"v{VERSION}|{model_id}|{block_size}|{dtype}|{shape}|{source}".encode()
     return hashlib.blake2b(text + secret_digest, digest_size=16).digest()
 
 

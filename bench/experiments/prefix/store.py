@@ -76,7 +76,9 @@ def shared_store(engine: Engine, megabytes: int) -> NodeStore:
     data = engine.runner.kv_cache.data
     layout = (str(data.dtype), tuple(data.shape[1:]))
     hasher = engine.hasher
-    print_ = fingerprint(hasher.model_id, hasher.block_size, hasher.secret, layout)
+    print_ = fingerprint(
+        hasher.model_id, hasher.block_size, hasher.secret, layout, engine.runner.kv_source
+    )
     geometry = StoreGeometry.for_bytes(megabytes * 2**20, hasher.block_size, data[0].nbytes)
     return NodeStore.anonymous(geometry, print_)
 
