@@ -1,10 +1,9 @@
 """``EngineReplica``: the Ray Serve deployment that runs one engine.
 
-One background task steps the engine; every engine call runs on one dedicated thread, so the
-engine itself needs no locks and the replica's event loop never blocks on a forward pass.
-Requests stream their tokens back as the steps produce them. The replica feeds its block
-events to the Redis index (a background publisher thread, never in the step's way),
-heartbeats there, and deregisters on shutdown.
+One background task steps the engine (``replica.engine_loop``); every engine call runs on one
+dedicated thread. Requests stream their tokens back as the steps produce them. The replica
+feeds its block events to the Redis index (a background publisher thread, never in the
+step's way), heartbeats there, and deregisters on shutdown.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from ray import serve
 
 from kvindex.writer import IndexWriter
 from replica.config import EngineConfig, ReplicaArgs
+from replica.engine_loop import EngineLoop
 from replica.messages import EngineRequest, PullRequest, RequestOutput
 from replica.publisher import IndexPublisher
 from replica.store.files import publisher_lock_path
@@ -32,10 +32,6 @@ from replica.store_publisher import StorePublisher
 
 if TYPE_CHECKING:
     from replica.engine.transfer import PrefixExport
-
-# how long a finished answer waits for its blocks' spill (it is ~1 ms a block; a spiller
-# that far behind must not hold answers back)
-SPILL_WAIT_S = 1.0
 
 log = logging.getLogger("ray.serve")
 
@@ -74,13 +70,7 @@ class EngineReplica:
         self.store_publisher: StorePublisher | None = None
         self._attach_store()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._pending: set[asyncio.Task[None]] = set()  # answers waiting for their spill
-        self._wakeup: asyncio.Event | None = None
-        self._loop_task: asyncio.Task[None] | None = None
-        self._failure: BaseException | None = None
-        self._audits = 0
-        self._audit_error: str | None = None
+        self.engine_loop = EngineLoop(self.engine, self._executor, self.replica_id)
         self._left = False
         self.puller = Puller(
             self.engine,
@@ -119,9 +109,8 @@ class EngineReplica:
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream a request's tokens. Raises ``InvalidRequestError`` before the first chunk
         if the engine can never serve it; a cancelled stream aborts the request."""
-        self._start_loop()
-        if self._failure is not None:
-            raise EngineFailedError("the engine loop failed") from self._failure
+        if self.engine_loop.failure is not None:
+            raise EngineFailedError("the engine loop failed") from self.engine_loop.failure
         loop = asyncio.get_running_loop()
         rid = request.request_id
         add = functools.partial(
@@ -138,9 +127,8 @@ class EngineReplica:
         await self.puller.before_admission(request)
         await loop.run_in_executor(self._executor, add)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._streams[rid] = queue
-        assert self._wakeup is not None
-        self._wakeup.set()
+        self.engine_loop.streams[rid] = queue
+        self.engine_loop.wake()
         unfinished = request.params.n  # the stream ends when every choice has
         finished = False
         try:
@@ -152,7 +140,7 @@ class EngineReplica:
                 finished = unfinished == 0
                 yield item
         finally:
-            self._streams.pop(rid, None)
+            self.engine_loop.streams.pop(rid, None)
             if not finished:  # cancelled or disconnected: free its blocks (not awaited)
                 loop.run_in_executor(self._executor, self.engine.abort_request, rid)
 
@@ -184,7 +172,7 @@ class EngineReplica:
             **self.engine.stats(latencies=False).to_dict(),
             "replica_id": self.replica_id,
             "time": time.time(),
-            "in_flight": len(self._streams),
+            "in_flight": len(self.engine_loop.streams),
             "index_in_sync": self.publisher.in_sync,
             "index_failures": publisher.failures,
             "index_resyncs": publisher.resyncs,
@@ -196,8 +184,8 @@ class EngineReplica:
             "rss_mb": _rss_mb(),
             **self.puller.counters.to_dict(),
             **self._store_stats(),
-            "idle_audits": self._audits,
-            "audit_error": self._audit_error,
+            "idle_audits": self.engine_loop.audits,
+            "audit_error": self.engine_loop.audit_error,
         }
 
     def _store_stats(self) -> dict[str, Any]:
@@ -216,14 +204,13 @@ class EngineReplica:
         }
 
     def check_health(self) -> None:
-        if self._failure is not None:
-            raise EngineFailedError("the engine loop failed") from self._failure
+        if self.engine_loop.failure is not None:
+            raise EngineFailedError("the engine loop failed") from self.engine_loop.failure
 
     async def __del__(self) -> None:
         """Serve's graceful stop (Ctrl-C, scale-down, redeploy), after the replica's
         running requests finished or its graceful-shutdown timeout passed."""
-        if self._loop_task is not None:
-            self._loop_task.cancel()
+        self.engine_loop.stop()
         self._leave_index()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -242,68 +229,6 @@ class EngineReplica:
                 log.info("left the index (node store: last user %s, publisher %s)", last, leading)
             if self.engine.store is not None:
                 self.engine.store.wait_idle(2.0)  # its mapping stays: steps may still run
-
-    def _start_loop(self) -> None:
-        if self._loop_task is None:
-            self._wakeup = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._wakeup is not None
-        while True:
-            if not self.engine.has_unfinished_requests():
-                await loop.run_in_executor(self._executor, self._audit)
-                self._wakeup.clear()
-                if not self.engine.has_unfinished_requests():
-                    await self._wakeup.wait()
-                continue
-            try:
-                outputs = await loop.run_in_executor(self._executor, self.engine.step)
-            except Exception as exc:  # a bug: fail every stream now rather than hang them
-                log.exception("engine step failed on replica %s", self.replica_id)
-                self._failure = exc
-                for queue in self._streams.values():
-                    queue.put_nowait(exc)
-                return
-            self._deliver(outputs)
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Every choice streams with its request; a finished one once the blocks its step
-        released are in the node store (``StoreTier.wait_spilled``), so the client's next
-        request for the prefix finds them on any replica of the node."""
-        tier = self.engine.store
-        ticket = tier.ticket() if tier is not None else 0
-        for out in outputs:
-            queue = self._streams.get(out.request_id)
-            if queue is None:
-                continue
-            item = out.streamed(self.replica_id)
-            if out.finished and tier is not None and not tier.spilled(ticket):
-                wait = functools.partial(tier.wait_spilled, ticket, SPILL_WAIT_S)
-                self._spawn(self._after(wait, queue, item))
-            else:
-                queue.put_nowait(item)
-
-    async def _after(
-        self, wait: Any, queue: asyncio.Queue[RequestOutput | BaseException], item: RequestOutput
-    ) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, wait)  # off the engine's thread
-        queue.put_nowait(item)
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._pending.add(task)  # held until done (the loop keeps only weak references)
-        task.add_done_callback(self._pending.discard)
-
-    def _audit(self) -> None:
-        """Check the block accounting whenever the engine falls idle (on its thread)."""
-        try:
-            self.engine.check_invariants(idle=True)
-        except AssertionError as exc:
-            log.error("block accounting broken on replica %s: %s", self.replica_id, exc)
-            self._audit_error = str(exc) or "invariant violated"
-        self._audits += 1
 
 
 def _engine_config(args: ReplicaArgs) -> EngineConfig:
