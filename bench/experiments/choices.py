@@ -154,6 +154,7 @@ def _vllm(args: argparse.Namespace, dtype: str, config: EngineConfig, prompt: li
     out = run_vllm(ensure_vllm_venv(args.vllm_venv), spec)
     runs = out["jobs"]["choices"]
     result: dict[str, Any] = {"vllm_version": out["vllm"]}
+    result["vllm_process"] = {"given": out["given"], **out["process"]}  # preloads, binding
     for n, ttft in runs["ttft_s"].items():
         result[f"n={n}"] = {
             "ttft_p50_s": percentile(ttft, 50),

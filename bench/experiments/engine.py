@@ -195,6 +195,8 @@ def _vllm(args: argparse.Namespace, config: EngineConfig, trace: list[TimedReque
         "itl_p50_s": percentile(job["itl_s"], 50),
         "output_tokens_per_s": job["output_tokens"] / job["duration_s"],
         "duration_s": job["duration_s"],
+        # what vLLM was given (preloads, binding) and what its processes ran with
+        "vllm_process": {"given": out["given"], **out["process"]},
     }
 
 

@@ -16,7 +16,10 @@ is taken repeat by repeat (each pair ran back to back) and reported the same way
 Peers: ``ours`` (the engine as deployed: ``deterministic: true``), ``ours-nondet``
 (``deterministic: false``: what invariance costs), ``transformers``, ``vllm``, and
 ``rev:<git revision>`` (this project's engine as it was then, from a worktree of that
-revision, in a process of its own).
+revision, in a process of its own). vLLM gets what its CPU documentation asks for
+(``bench.peers.host``: TCMalloc and Intel OpenMP preloaded, ``--threads`` OpenMP threads
+bound one per physical core); the result records what it was given and what its process
+loaded (``peer_processes``), the commit measured and the host's CPU (``provenance``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from bench.peers.engines import (
     revision_session,
     vllm_session,
 )
+from bench.peers.host import PRELOADS, provenance, vllm_env
 from bench.report import spread
 from bench.workloads import TraceRequest
 from replica.checkpoints import SMOLLM2, checkpoint_for
@@ -74,6 +78,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens", type=int, default=512, help="our engines' step budget"
     )
     parser.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV)
+    parser.add_argument(
+        "--vllm-preload", default=",".join(PRELOADS), help="LD_PRELOAD of vLLM ('' for none)"
+    )
+    parser.add_argument(
+        "--vllm-bind",
+        default="cores",
+        choices=["cores", "none"],
+        help="vLLM's OpenMP threads bound one per core (its multiprocess executor), or not "
+        "(its model in the worker's own process, unbound)",
+    )
 
 
 def workload(tokenizer: Tokenizer, prefill_tokens: int, batches: list[int]) -> dict[str, Any]:
@@ -93,6 +107,7 @@ def workload(tokenizer: Tokenizer, prefill_tokens: int, batches: list[int]) -> d
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    measured = provenance()  # at the start: the tree as it was imported
     torch.set_num_threads(args.threads)
     checkpoint = checkpoint_for(args.model)
     batches = [int(b) for b in args.batches.split(",")]
@@ -104,6 +119,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         for peer in peers.values():
             peer.close()
+    processes = {name: p.process for name, p in peers.items() if isinstance(p, VllmPeer)}
     rates = {name: _rates(times[name], prompts, batches, args.decode_tokens) for name in names}
     result: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "threads": args.threads}
     for name in names:
@@ -119,6 +135,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode_tokens": args.decode_tokens,
         "order": "ABBA: each job on every engine in turn, the order reversed every repeat",
     }
+    result["peer_processes"] = processes
+    result["provenance"] = measured
     return result
 
 
@@ -199,7 +217,13 @@ class VllmPeer:
             "max_num_seqs": max(batches),
         }
         log = Path("results") / "speed-vllm.log"
-        self.session = vllm_session(ensure_vllm_venv(args.vllm_venv), spec, log)
+        python = ensure_vllm_venv(args.vllm_venv)
+        preload = [name for name in args.vllm_preload.split(",") if name]
+        bind = args.vllm_bind == "cores"
+        given = vllm_env(python, args.threads, kv_cache_gib=2, preload=preload, bind=bind)
+        self.session = vllm_session(python, spec, log, given)
+        # what it was given, what its process loaded and bound, what it left in /dev/shm
+        self.process: dict[str, Any] = {"given": given, **self.session.started["process"]}
         self.time([warm], 4)
 
     def time(self, prompts: list[list[int]], max_tokens: int) -> float:
@@ -208,6 +232,7 @@ class VllmPeer:
 
     def close(self) -> None:
         self.session.close()
+        self.process |= self.session.shm.summary()
 
 
 class RevisionPeer(VllmPeer):
@@ -226,6 +251,7 @@ class RevisionPeer(VllmPeer):
         }
         log = Path("results") / f"speed-rev-{rev}.log"
         self.session: WorkerSession = revision_session(rev, spec, log)
+        self.process: dict[str, Any] = {}
         self.time([warm], 4)
 
 

@@ -16,6 +16,12 @@ caches, reads the prompt tokens served from cache (our ingress's ``/metrics``; v
 prefix-cache counters through Ray's metrics agent) and the memory of every engine replica,
 and stops the stack. Rounds alternate the stacks, the order reversed every repeat (A B B A);
 each stack's first start is cold (no compiled kernels, no compile cache), later ones warm.
+
+vLLM's engines get what its CPU documentation asks for (TCMalloc and Intel OpenMP preloaded,
+``--vllm-preload``; each replica's OpenMP threads on a physical core of its own), recorded in
+each round's ``peer_given``; what a stack left in ``/dev/shm`` once stopped is removed and
+counted (``shm_removed``). The result records the commit measured, whether the tree had
+uncommitted changes, and the host's CPU (``provenance``).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from bench.harness.launcher import REPO
 from bench.harness.memory import replica_memory
 from bench.harness.stacks import Running, ours
 from bench.peers.engines import DEFAULT_VLLM_VENV, ensure_hf_folder, ensure_vllm_venv
+from bench.peers.host import PRELOADS, provenance
 from bench.peers.ray_llm_stack import ray_llm
 from bench.report import spread
 from replica.checkpoints import SMOLLM2, checkpoint_for
@@ -51,10 +58,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV)
+    parser.add_argument(
+        "--vllm-preload", default=",".join(PRELOADS), help="LD_PRELOAD of vLLM ('' for none)"
+    )
     parser.add_argument("--work-dir", type=Path, default=REPO / "results" / "stack")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    measured = provenance()  # at the start: the tree as it was imported
     python = ensure_vllm_venv(args.vllm_venv, stack=True)
     hf = ensure_hf_folder(checkpoint_for(SMOLLM2), REPO / "results" / f"{SMOLLM2}-hf")
     names = args.stacks.split(",")
@@ -64,8 +75,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name in names if rep % 2 == 0 else names[::-1]:
             cold = not rounds[name]
             with _start(name, args, python, hf, cold) as stack:
-                rounds[name].append(_round(stack, args, python, hf, name, rep, cold))
+                row = _round(stack, args, python, hf, name, rep, cold)
+            rounds[name].append(row | stack.stopped)  # what stopping it left, removed
     result: dict[str, Any] = {"trace": _trace_flags(args), "rounds": rounds}
+    result["provenance"] = measured
     for name in names:
         result[name] = _summarise(rounds[name])
     for name in names[1:]:
@@ -146,7 +159,8 @@ def _bench_serve(
 
 def _start(name: str, args: argparse.Namespace, python: Path, hf: Path, cold: bool) -> Any:
     if name == "ray-llm":
-        return ray_llm(python, hf, args.work_dir, cold)
+        preload = [lib for lib in args.vllm_preload.split(",") if lib]
+        return ray_llm(python, hf, args.work_dir, cold, preload)
     if name == "ours" or name.startswith("rev:"):
         return ours(name, cold)
     raise SystemExit(f"unknown stack {name!r}: ours, ray-llm or rev:<git rev>")

@@ -1,8 +1,9 @@
 """A serving stack started for a whole-stack measurement, and this project's own.
 
 ``Running`` is what the ``stack`` experiment needs of any stack: where it answers, how long
-it took to start, which processes are its engine replicas (by title, for their memory) and
-how to read its prompt-token cache counters. ``ours`` starts ``make serve``'s cluster.
+it took to start, which processes are its engine replicas (by title, for their memory), how
+to read its prompt-token cache counters, and what stopping it found (``stopped``: what it
+left behind, filled when its context exits). ``ours`` starts ``make serve``'s cluster.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Running:
     replica_title: str
     cache_counters: Counters
     notes: dict[str, Any] = field(default_factory=dict)
+    stopped: dict[str, Any] = field(default_factory=dict)  # filled once it has stopped
 
 
 def prometheus_total(text: str, name: str) -> float:

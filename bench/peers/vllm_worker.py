@@ -26,7 +26,11 @@ import json
 import os
 import sys
 import time
+from collections import Counter
+from pathlib import Path
 from typing import Any
+
+PRELOADED = ("tcmalloc", "iomp5", "libgomp")
 
 
 def _generate(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
@@ -129,11 +133,54 @@ def _choices(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
     return {"ttft_s": ttft, "cached": cached}
 
 
+def _process_facts(pid: int) -> dict[str, Any]:
+    """One process as it really runs: its title, the allocator and OpenMP libraries it has
+    mapped, and how many of its threads may run on each CPU set (a bound OpenMP thread on
+    one core: vLLM binds those of its model worker, the executor's child process)."""
+    proc = Path(f"/proc/{pid}")
+    maps = (proc / "maps").read_text().splitlines()
+    paths = {line.split()[-1] for line in maps if "/" in line}
+    cpus: Counter[str] = Counter()
+    for status in proc.glob("task/*/status"):
+        for line in status.read_text().splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                cpus[line.split()[1]] += 1
+    return {
+        "title": (proc / "cmdline").read_bytes().split(b"\0")[0].decode(),
+        "mapped": sorted({Path(p).name for p in paths if any(k in p for k in PRELOADED)}),
+        "threads_by_cpus": dict(cpus),
+    }
+
+
+def _process_tree(ld_preload: str) -> dict[str, Any]:
+    """For the run's JSON: the ``LD_PRELOAD`` this process was started with (vLLM rewrites
+    the variable for its children), its settings, and the facts of it and its children."""
+    pids, todo = [], [os.getpid()]
+    while todo:
+        pids.append(todo.pop())
+        for children in Path(f"/proc/{pids[-1]}/task").glob("*/children"):
+            todo += [int(c) for c in children.read_text().split()]
+    facts = []
+    for pid in pids:
+        try:
+            facts.append(_process_facts(pid))
+        except OSError:
+            continue  # gone meanwhile
+    env = (
+        "VLLM_CPU_OMP_THREADS_BIND",
+        "VLLM_EXECUTOR",
+        "VLLM_CPU_KVCACHE_SPACE",
+        "OMP_NUM_THREADS",
+    )
+    return {"ld_preload": ld_preload, **{k: os.environ.get(k) for k in env}, "tree": facts}
+
+
 def main(path: str) -> None:
     with open(path) as f:
         spec = json.load(f)
+    ld_preload = os.environ.get("LD_PRELOAD", "")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_cache_gib", 2)))
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
     import torch
     from vllm import LLM
 
@@ -146,11 +193,15 @@ def main(path: str) -> None:
         max_model_len=spec["max_model_len"],
         max_num_seqs=spec.get("max_num_seqs", 32),
         seed=0,
+        # vLLM binds OpenMP threads (VLLM_CPU_OMP_THREADS_BIND) only through its
+        # multiprocess executor, in the model worker it spawns; "uni" runs unbound
+        distributed_executor_backend=os.environ.get("VLLM_EXECUTOR", "mp"),
     )
     import vllm
 
     result: dict[str, Any] = {"startup_s": time.perf_counter() - started, "jobs": {}}
     result["vllm"] = vllm.__version__
+    result["process"] = _process_tree(ld_preload)
     runners = {"generate": _generate, "choices": _choices, "trace": _trace}
     if spec.get("serve"):
         sys.stdout.write(json.dumps(result) + "\n")
