@@ -8,7 +8,9 @@ False and the engine refuses ``deterministic: true`` with a message saying why.
 
 The build is ``-march=native`` (the kernels are as fast as this CPU allows and the library is
 cached per CPU's flags) and ``-ffp-contract=off`` (the C++ decides every fused multiply-add;
-see ``attention.cpp`` for why that matters).
+see ``attention.cpp`` for why that matters). ``PREFIX_SERVE_KERNEL_FLAGS`` adds compiler flags
+after these (a separate build, cached under its own name): ``-mno-avx512bf16`` builds, on a
+CPU with AVX-512 BF16, the paths of one without it, which the tests run that way.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import functools
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sysconfig
@@ -47,6 +50,14 @@ FLAGS = (
 )
 
 
+FLAGS_ENV = "PREFIX_SERVE_KERNEL_FLAGS"
+
+
+def flags() -> tuple[str, ...]:
+    """``FLAGS``, then those of ``PREFIX_SERVE_KERNEL_FLAGS`` (split as a shell splits)."""
+    return (*FLAGS, *shlex.split(os.environ.get(FLAGS_ENV, "")))
+
+
 class KernelBuildError(RuntimeError):
     """The kernels could not be built or loaded here (no compiler, a compile error)."""
 
@@ -66,7 +77,7 @@ def library_path() -> Path:
     digest = hashlib.sha256()
     for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
-    for part in (*FLAGS, torch.__version__, _cpu_flags()):
+    for part in (*flags(), torch.__version__, _cpu_flags()):
         digest.update(part.encode())
     return BUILD_DIR / f"prefix_serve_kernels-{digest.hexdigest()[:16]}.so"
 
@@ -81,7 +92,7 @@ def _compile(target: Path) -> None:
     tmp = target.with_suffix(f".{os.getpid()}.tmp")
     command = [
         compiler,
-        *FLAGS,
+        *flags(),
         *includes,
         *(str(s) for s in SOURCES),
         *libs,

@@ -22,10 +22,12 @@
 // (0, 1). Two passes, not an online softmax: the maximum is known before any exponential,
 // so nothing is ever rescaled, and per key the work is a dot product, an exponential and an
 // axpy. Three implementations follow the spec: a portable one, an AVX-512 one and an AVX2
-// one (CPUs without AVX-512) for 16-token blocks; they agree bit for bit (a test compares them), so the portable one is also the
-// vector one's reference. AVX-512 BF16's VDPBF16PS is exactly the spec's pair step (odd
-// element first, each product exact, each add rounded, subnormals flushed), which a test
-// also checks.
+// one (CPUs without AVX-512) for 16-token blocks; they agree bit for bit (a test compares
+// them), so the portable one is also the vector ones' reference. AVX-512 BF16's VDPBF16PS is
+// exactly the spec's pair step (odd element first, each product exact, each add rounded,
+// subnormals flushed), which a test also checks; where it is missing (AVX-512F alone, or
+// AVX2) the vector code writes the pair step as two FMAs under MXCSR's DAZ and FTZ.
+// ``attention_path`` names the implementation a dtype runs on this build.
 //
 // Bit-exactness needs the compiler's help: the build uses -ffp-contract=off and every fused
 // multiply-add is written as one (std::fma or an fmadd intrinsic), so no compiler-chosen
@@ -58,6 +60,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -145,14 +148,18 @@ void unit_portable(QueryState<T>* states, const int64_t* n, int count, const T* 
 }
 
 // ---- the AVX-512 implementation (16-token blocks) ----
+// A Vec<T> holds a dtype's steps; ``flushes``: its pair step needs MXCSR's DAZ and FTZ around
+// the product loops; ``pv_heads``: the heads whose accumulators a value pass holds (with a
+// value row's registers, within the 32); ``Query``: what qk reads q as.
 #if defined(__AVX512F__)
-
-
 
 template <typename T> struct Vec;
 
 template <> struct Vec<float> {
-  static constexpr bool enabled = true;
+  static constexpr bool enabled = true, flushes = false;
+  static constexpr int pv_heads = 6;
+  static constexpr const char* path = "avx512";
+  using Query = float;
   // s += q . k for the dimension(s) at step i: q broadcast, k a row of 16 keys
   static __m512 qk(__m512 acc, const float* q, int64_t i, const float* k) {
     return _mm512_fmadd_ps(_mm512_set1_ps(q[i]), _mm512_loadu_ps(k + i * kLanes), acc);
@@ -164,6 +171,7 @@ template <> struct Vec<float> {
   static __m512i value_row(const float* v, int64_t j, int64_t dim, int64_t c) {
     return _mm512_castps_si512(_mm512_loadu_ps(v + j * dim + c));
   }
+  using Row = __m512i;
   static __m512 weight(const float* w, int64_t j) { return _mm512_set1_ps(w[j]); }
   static __m512 pv(__m512 o, __m512 w, __m512i row) {
     return _mm512_fmadd_ps(w, _mm512_castsi512_ps(row), o);
@@ -173,7 +181,10 @@ template <> struct Vec<float> {
 
 #if defined(__AVX512BF16__)
 template <> struct Vec<c10::BFloat16> {
-  static constexpr bool enabled = true;
+  static constexpr bool enabled = true, flushes = false;  // VDPBF16PS flushes by itself
+  static constexpr int pv_heads = 6;
+  static constexpr const char* path = "avx512_bf16";
+  using Query = c10::BFloat16;
   static __m512 pair(const c10::BFloat16* p) {
     int32_t bits;
     std::memcpy(&bits, p, sizeof(bits));
@@ -189,6 +200,7 @@ template <> struct Vec<c10::BFloat16> {
   static void weights(__m512 p, c10::BFloat16* w) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(w), (__m256i)_mm512_cvtneps_pbh(p));
   }
+  using Row = __m512i;
   static __m512i value_row(const c10::BFloat16* v, int64_t j, int64_t dim, int64_t c) {
     return _mm512_loadu_si512(v + (j * dim + c) * 2);  // 16 dimensions of 2 keys
   }
@@ -199,9 +211,62 @@ template <> struct Vec<c10::BFloat16> {
   static constexpr int64_t pv_steps(int64_t n) { return (n + 1) / 2; }
 };
 #else
-template <> struct Vec<c10::BFloat16> { static constexpr bool enabled = false; };
+// AVX-512F without AVX-512 BF16 (Skylake-SP to Ice Lake): the pair step as two FMAs, odd
+// element first, flushed by MXCSR's DAZ and FTZ (flushes): the spec's arithmetic, as the
+// instruction, the AVX2 code and the portable code compute it, so a bfloat16 model has one
+// set of bits whichever runs it. q is widened once a call and the weights are held widened,
+// so that a step's broadcasts are plain loads; a value row is its two halves, so 4 heads.
+template <> struct Vec<c10::BFloat16> {
+  static constexpr bool enabled = true, flushes = true;
+  static constexpr int pv_heads = 4;
+  static constexpr const char* path = "avx512";
+  using T = c10::BFloat16;
+  struct Pair {
+    __m512 odd, even;
+  };
+  using Query = float;
+  static __m512 qk(__m512 acc, const float* q, int64_t i, const T* k) {
+    const __m512i keys = _mm512_loadu_si512(k + i * kLanes * 2);
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(q[2 * i + 1]), odd16(keys), acc);
+    return _mm512_fmadd_ps(_mm512_set1_ps(q[2 * i]), even16(keys), acc);
+  }
+  static constexpr int64_t qk_steps(int64_t dim) { return dim / 2; }
+  using Weights = float;  // rounded to bfloat16 (to_weight), held as floats
+  static void weights(__m512 p, float* w) { _mm512_storeu_ps(w, round16_bf16(p)); }
+  using Row = Pair;
+  static Pair value_row(const T* v, int64_t j, int64_t dim, int64_t c) {
+    const __m512i pairs = _mm512_loadu_si512(v + (j * dim + c) * 2);  // 16 dims of 2 keys
+    return {odd16(pairs), even16(pairs)};
+  }
+  static Pair weight(const float* w, int64_t j) {
+    return {_mm512_set1_ps(w[2 * j + 1]), _mm512_set1_ps(w[2 * j])};
+  }
+  static __m512 pv(__m512 o, Pair w, Pair row) {
+    return _mm512_fmadd_ps(w.even, row.even, _mm512_fmadd_ps(w.odd, row.odd, o));
+  }
+  static constexpr int64_t pv_steps(int64_t n) { return (n + 1) / 2; }
+};
 #endif
 template <> struct Vec<double> { static constexpr bool enabled = false; };
+
+// The H heads' q rows as Vec<T>::qk reads them: in place, or widened to float into this
+// thread's scratch (bfloat16 without AVX-512 BF16; head_dim is a multiple of 32 here).
+template <typename T, int H>
+void query_rows(QueryState<T>* states, const Geometry& g, const typename Vec<T>::Query* (&q)[H]) {
+  const int64_t G = g.group, D = g.head_dim;
+  thread_local std::vector<float> wide;
+  if constexpr (!std::is_same_v<typename Vec<T>::Query, T>) wide.resize(H * D);
+  for (int x = 0; x < H; ++x) {
+    const T* row = states[x / G].q + (x % G) * states[x / G].q_head;
+    if constexpr (std::is_same_v<typename Vec<T>::Query, T>) {
+      q[x] = row;
+    } else {
+      float* out = wide.data() + x * D;
+      for (int64_t d = 0; d < D; d += kLanes) _mm512_storeu_ps(out + d, widen16(row + d));
+      q[x] = out;
+    }
+  }
+}
 
 // Pass 1 of one 16-token block for H query heads (queries x group heads), all reading the
 // same keys: each K row is loaded once for all of them. H is a compile-time constant so that
@@ -211,12 +276,15 @@ void scores_avx512(QueryState<T>* states, const int64_t* n, const T* k, int64_t 
                    const Geometry& g) {
   using V = Vec<T>;
   const int64_t G = g.group, D = g.head_dim;
-  const T* q[H];
-  for (int x = 0; x < H; ++x) q[x] = states[x / G].q + (x % G) * states[x / G].q_head;
+  const typename V::Query* q[H];
+  query_rows<T, H>(states, g, q);
   __m512 acc[H];
   for (int x = 0; x < H; ++x) acc[x] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < V::qk_steps(D); ++i) {
-    for (int x = 0; x < H; ++x) acc[x] = V::qk(acc[x], q[x], i, k);
+  {
+    const FlushDenormals daz(V::flushes);  // the products only: the scaling rounds as specified
+    for (int64_t i = 0; i < V::qk_steps(D); ++i) {
+      for (int x = 0; x < H; ++x) acc[x] = V::qk(acc[x], q[x], i, k);
+    }
   }
   for (int x = 0; x < H; ++x) {
     QueryState<T>& st = states[x / G];
@@ -232,11 +300,9 @@ void scores_avx512(QueryState<T>* states, const int64_t* n, const T* k, int64_t 
 }
 
 // o += w . v for H heads over one block's values, in the spec's order per head (pair j,
-// odd element first). Heads go in groups of up to kPvHeads so that a group's accumulators
-// (all of head_dim) stay in registers while each value row is loaded once per group; a
-// head whose keys end early skips the later pairs (the spec's ceil(n/P)).
-constexpr int kPvHeads = 6;
-
+// odd element first). Heads go in groups of up to Vec<T>::pv_heads so that a group's
+// accumulators (all of head_dim) stay in registers while each value row is loaded once per
+// group; a head whose keys end early skips the later pairs (the spec's ceil(n/P)).
 template <typename T, int HG, int CH>
 void pv_group(float* const* o_of, const int64_t* n_of, int64_t most,
               const typename Vec<T>::Weights (*w)[kLanes], const T* v, int64_t D) {
@@ -248,11 +314,11 @@ void pv_group(float* const* o_of, const int64_t* n_of, int64_t most,
     for (int x = 0; x < HG; ++x)
       for (int c = 0; c < CH; ++c) o[x][c] = _mm512_loadu_ps(o_of[x] + c0 + c * kLanes);
     for (int64_t j = 0; j < V::pv_steps(most); ++j) {
-      __m512i rows[CH];
+      typename V::Row rows[CH];
       for (int c = 0; c < CH; ++c) rows[c] = V::value_row(v, j, D, c0 + c * kLanes);
       for (int x = 0; x < HG; ++x) {
         if (!uniform && j >= V::pv_steps(n_of[x])) continue;  // the spec skips these
-        const __m512 wj = V::weight(w[x], j);
+        const auto wj = V::weight(w[x], j);
         for (int c = 0; c < CH; ++c) o[x][c] = V::pv(o[x][c], wj, rows[c]);
       }
     }
@@ -264,14 +330,12 @@ void pv_group(float* const* o_of, const int64_t* n_of, int64_t most,
 template <typename T, int H, int CH>
 void pv_chunks(float* const* o_of, const int64_t* n_of, int64_t most,
                const typename Vec<T>::Weights (*w)[kLanes], const T* v, int64_t D) {
-  constexpr int full = H / kPvHeads, rest = H % kPvHeads;
+  constexpr int HG = Vec<T>::pv_heads, full = H / HG, rest = H % HG;
   for (int gi = 0; gi < full; ++gi) {
-    pv_group<T, kPvHeads, CH>(o_of + gi * kPvHeads, n_of + gi * kPvHeads, most,
-                              w + gi * kPvHeads, v, D);
+    pv_group<T, HG, CH>(o_of + gi * HG, n_of + gi * HG, most, w + gi * HG, v, D);
   }
   if constexpr (rest > 0) {
-    pv_group<T, rest, CH>(o_of + full * kPvHeads, n_of + full * kPvHeads, most,
-                          w + full * kPvHeads, v, D);
+    pv_group<T, rest, CH>(o_of + full * HG, n_of + full * HG, most, w + full * HG, v, D);
   }
 }
 
@@ -312,6 +376,7 @@ void values_avx512(QueryState<T>* states, const int64_t* n, const T* v, int64_t 
     _mm512_storeu_ps(vsum, _mm512_add_ps(_mm512_loadu_ps(vsum), p));
     V::weights(p, w[x]);
   }
+  const FlushDenormals daz(V::flushes);  // the products only: exp and sums round as specified
   pv_avx512<T, H>(o_of, n_of, most, w, v, D);
 }
 
@@ -344,14 +409,6 @@ void unit_avx512_any(QueryState<T>* states, const int64_t* n, int count, const T
 // set around exactly the product-add loops (the scaling, exp and sums round as the spec's).
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define PREFIX_SERVE_AVX2 1
-
-struct FlushDenormals {  // DAZ and FTZ for this thread while in scope (bfloat16 only)
-  unsigned saved;
-  explicit FlushDenormals(bool on) : saved(_mm_getcsr()) {
-    if (on) _mm_setcsr(saved | 0x8040u);
-  }
-  ~FlushDenormals() { _mm_setcsr(saved); }
-};
 
 // Lanes [8 * half, 8 * half + 8) valid below n: all ones, else zero.
 inline __m256 valid8(int64_t n, int half) {
@@ -672,6 +729,24 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
   });
 }
 
+template <typename T> const char* attention_path_of() {
+#if defined(__AVX512F__)
+  if constexpr (Vec<T>::enabled) return Vec<T>::path;
+#elif defined(PREFIX_SERVE_AVX2)
+  if constexpr (!std::is_same_v<T, double>) return "avx2";
+#endif
+  return "portable";
+}
+
+// The implementation a dtype's attention runs with vector=True on this build, for 16-token
+// blocks and a head_dim that is a multiple of 32 (others run "portable"): "avx512_bf16"
+// (VDPBF16PS), "avx512", "avx2" or "portable".
+std::string attention_path(at::ScalarType dtype) {
+  std::string out;
+  dispatch(dtype, "attention_path", [&](auto zero) { out = attention_path_of<decltype(zero)>(); });
+  return out;
+}
+
 void check_attention_args(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
                           const at::Tensor& block_tables, const at::Tensor& query_seq,
                           const at::Tensor& query_ctx, const at::Tensor& tile_starts,
@@ -762,6 +837,7 @@ TORCH_LIBRARY(prefix_serve, m) {
       "Tensor query_ctx, Tensor tile_starts, Tensor tile_rows, float scale, bool vector=True) "
       "-> Tensor");
   m.def("write_kv(Tensor(a!) kv, int layer, Tensor k, Tensor v, Tensor slots) -> ()");
+  m.def("attention_path(ScalarType dtype) -> str", &attention_path);
 }
 
 TORCH_LIBRARY_IMPL(prefix_serve, CPU, m) {

@@ -9,10 +9,11 @@
 //   float32:  acc = 0; for k = 0..K-1: acc = fma(x[k], w[k], acc); y = acc
 // The weights are packed once into panels of 64 outputs, [N/64][K/P][64][P] (P = 2 for
 // bfloat16 pairs), so a panel streams from memory in order; an AVX-512 micro-kernel holds up
-// to 6 rows x 64 outputs in registers, an AVX2 one (CPUs without AVX-512) 3 rows x 32, and
-// a portable one follows the same arithmetic. A
-// decode step's few rows stream each weight once, faster than oneDNN's small-M kernels here
-// (docs/decisions.md). Threads split the panels: an output is always one thread's.
+// to 6 rows x 64 outputs in registers (4 rows for bfloat16 without AVX-512 BF16, whose pair
+// step takes two FMAs), an AVX2 one (CPUs without AVX-512) 3 rows x 32, and a portable one
+// follows the same arithmetic. A decode step's few rows stream each weight once, faster than
+// oneDNN's small-M kernels here (docs/decisions.md). Threads split the panels: an output is
+// always one thread's. ``linear_path`` names the micro-kernel a dtype runs on this build.
 
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -22,6 +23,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "numerics.h"
 
@@ -55,13 +58,17 @@ void panel_portable(const T* x, int64_t ldx, const T* w, int64_t K, T* y, int64_
 }
 
 // ---- AVX-512 micro-kernels: MR rows x 64 outputs ----
+// Each has ``rows`` (the most it holds in registers), ``flushes`` (whether panel_avx512 must
+// set MXCSR's DAZ and FTZ around it) and ``path`` (its name for linear_path).
 #if defined(__AVX512F__)
 
 template <typename T> struct Micro { static constexpr bool enabled = false; };
 
 #if defined(__AVX512BF16__)
 template <> struct Micro<c10::BFloat16> {
-  static constexpr bool enabled = true;
+  static constexpr bool enabled = true, flushes = false;  // VDPBF16PS flushes by itself
+  static constexpr int rows = kMaxRows;
+  static constexpr const char* path = "avx512_bf16";
   using T = c10::BFloat16;
   template <int MR>
   static void run(const T* x, int64_t ldx, const T* w, int64_t K, T* y, int64_t ldy,
@@ -90,10 +97,59 @@ template <> struct Micro<c10::BFloat16> {
     }
   }
 };
+#else
+// AVX-512F without AVX-512 BF16 (Skylake-SP to Ice Lake): VDPBF16PS's pair step as two FMAs,
+// odd element first, its flushes done by MXCSR's DAZ and FTZ (flushes). The same arithmetic
+// as the instruction, the AVX2 kernel and the portable code, not a faster one of its own: a
+// bfloat16 model then gives one set of bits whichever of them runs it, and the portable code
+// stays every path's reference. 4 rows: 16 accumulators, a weight vector's two halves and
+// the rows' broadcasts fit the 32 registers (6 rows would spill).
+template <> struct Micro<c10::BFloat16> {
+  static constexpr bool enabled = true, flushes = true;
+  static constexpr int rows = 4;
+  static constexpr const char* path = "avx512";
+  using T = c10::BFloat16;
+  template <int MR>
+  static void run(const T* x, int64_t ldx, const T* w, int64_t K, T* y, int64_t ldy,
+                  int64_t cols) {
+    // the rows widened to float once a call, so that a step's broadcasts are plain loads
+    thread_local std::vector<float> wide;
+    wide.resize(static_cast<size_t>(MR * K));
+    for (int r = 0; r < MR; ++r) widen_row(x + r * ldx, K, wide.data() + r * K);
+    __m512 acc[MR][4];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < K / 2; ++i) {
+      const T* wi = w + i * kPanel * 2;
+      _mm_prefetch(reinterpret_cast<const char*>(wi + 64 * kPanel * 2), _MM_HINT_T0);
+      const float* xi = wide.data() + 2 * i;
+      for (int j = 0; j < 4; ++j) {
+        const __m512i pairs = _mm512_loadu_si512(wi + j * 32);
+        const __m512 wo = odd16(pairs), we = even16(pairs);
+        for (int r = 0; r < MR; ++r) {
+          acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xi[r * K + 1]), wo, acc[r][j]);
+          acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xi[r * K]), we, acc[r][j]);
+        }
+      }
+    }
+    for (int r = 0; r < MR; ++r) {  // rounded as the portable code rounds (c10's nearest even)
+      alignas(64) float out[kPanel];
+      for (int j = 0; j < 4; ++j) _mm512_store_ps(out + 16 * j, acc[r][j]);
+      for (int64_t c = 0; c < cols; ++c) y[r * ldy + c] = static_cast<T>(out[c]);
+    }
+  }
+  static void widen_row(const T* x, int64_t K, float* out) {
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) _mm512_storeu_ps(out + k, widen16(x + k));
+    for (; k < K; ++k) out[k] = widen(x[k]);
+  }
+};
 #endif
 
 template <> struct Micro<float> {
-  static constexpr bool enabled = true;
+  static constexpr bool enabled = true, flushes = false;
+  static constexpr int rows = kMaxRows;
+  static constexpr const char* path = "avx512";
   template <int MR>
   static void run(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
                   int64_t cols) {
@@ -124,9 +180,10 @@ template <typename T>
 void panel_avx512(const T* x, int64_t ldx, const T* w, int64_t K, T* y, int64_t ldy,
                   int64_t rows, int64_t cols) {
   using U = Micro<T>;
+  const FlushDenormals daz(U::flushes);  // this thread's MXCSR, restored on return
   int64_t r = 0;
-  for (; r + kMaxRows <= rows; r += kMaxRows) {
-    U::template run<kMaxRows>(x + r * ldx, ldx, w, K, y + r * ldy, ldy, cols);
+  for (; r + U::rows <= rows; r += U::rows) {
+    U::template run<U::rows>(x + r * ldx, ldx, w, K, y + r * ldy, ldy, cols);
   }
   switch (rows - r) {
     case 1: return U::template run<1>(x + r * ldx, ldx, w, K, y + r * ldy, ldy, cols);
@@ -216,8 +273,7 @@ void panel_avx2(const T* x, int64_t ldx, const T* w, int64_t K, T* y, int64_t ld
                 int64_t rows, int64_t cols) {
   using U = Micro2<T>;
   constexpr int64_t P = pack_of<T>();
-  const unsigned csr = _mm_getcsr();  // this thread's; bfloat16: DAZ and FTZ while it runs
-  if constexpr (P == 2) _mm_setcsr(csr | 0x8040u);
+  const FlushDenormals daz(P == 2);  // this thread's MXCSR, restored on return
   for (int64_t half = 0; half * 32 < cols; ++half) {
     const T* wh = w + half * 32 * P;
     T* yh = y + half * 32;
@@ -228,7 +284,6 @@ void panel_avx2(const T* x, int64_t ldx, const T* w, int64_t K, T* y, int64_t ld
     if (rows - r == 2) U::template run<2>(x + r * ldx, ldx, wh, K, yh + r * ldy, ldy, n);
     if (rows - r == 1) U::template run<1>(x + r * ldx, ldx, wh, K, yh + r * ldy, ldy, n);
   }
-  _mm_setcsr(csr);
 }
 #endif
 
@@ -310,11 +365,29 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
   return y;
 }
 
+template <typename T> const char* path_of() {
+#if defined(__AVX512F__)
+  if constexpr (Micro<T>::enabled) return Micro<T>::path;
+#elif defined(PREFIX_SERVE_AVX2)
+  if constexpr (Micro2<T>::enabled) return "avx2";
+#endif
+  return "portable";
+}
+
+// The micro-kernel a dtype's linear runs with vector=True on this build: "avx512_bf16"
+// (VDPBF16PS), "avx512", "avx2" or "portable" (tests check that none falls back silently).
+std::string linear_path(at::ScalarType dtype) {
+  std::string out;
+  dispatch_linear(dtype, "linear_path", [&](auto zero) { out = path_of<decltype(zero)>(); });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(prefix_serve, m) {
   m.def("pack_linear(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, int out_features, bool vector=True) -> Tensor");
+  m.def("linear_path(ScalarType dtype) -> str", &linear_path);
 }
 
 TORCH_LIBRARY_IMPL(prefix_serve, CPU, m) {

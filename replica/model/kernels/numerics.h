@@ -29,8 +29,27 @@ template <typename Fn> void dispatch(at::ScalarType type, const char* name, cons
 }
 
 
-// A subnormal float as zero of the same sign (what VDPBF16PS does to its inputs and results).
+// A subnormal float as zero of the same sign (what VDPBF16PS does to its inputs).
 inline float flush(float x) { return std::fabs(x) < FLT_MIN ? std::copysign(0.0f, x) : x; }
+
+// r = fma(a, b, acc) (a, b bfloat16 values, acc a float, each normal or zero) flushed as
+// x86's FTZ flushes it, which the vector paths get from MXCSR (and, a test holds, VDPBF16PS):
+// to zero when the exact result, rounded to 24 bits with an unbounded exponent, is below
+// FLT_MIN ("tininess after rounding"). r itself, rounded with gradual underflow, tells that
+// except at |r| == FLT_MIN, which an exact result in [FLT_MIN - 2^-150, FLT_MIN - 2^-151)
+// also rounds to; there the step is redone scaled by 2^64, exactly and far from underflow.
+// (A result that close to FLT_MIN is a multiple of the smaller lowest bit of a b (16
+// significant bits) and acc (24), so both are below 2^-101: the smaller factor and acc scale
+// without overflow.) Flushing r only when it is subnormal would keep FLT_MIN there.
+inline float flush_result(float a, float b, float acc, float r) {
+  const float m = std::fabs(r);
+  if (m != FLT_MIN) return m < FLT_MIN ? std::copysign(0.0f, r) : r;
+  constexpr float kScale = 0x1p64f;
+  const bool a_smaller = std::fabs(a) <= std::fabs(b);
+  const float scaled = std::fma(a_smaller ? a * kScale : a, a_smaller ? b : b * kScale,
+                                acc * kScale);
+  return std::fabs(scaled) < FLT_MIN * kScale ? std::copysign(0.0f, r) : r;
+}
 
 template <typename T> struct Traits {
   using Acc = float;
@@ -45,10 +64,11 @@ template <> struct Traits<double> {
 template <> struct Traits<c10::BFloat16> {
   using Acc = float;
   static constexpr int pack = 2;
-  // one product-add step of VDPBF16PS: subnormal inputs read as zero, subnormal results
-  // flushed (checked against the instruction bit for bit by a test)
+  // one product-add step of VDPBF16PS: subnormal inputs read as zero, tiny results flushed
+  // (checked against the vector paths bit for bit by tests)
   static float mac(float a, float b, float acc) {
-    return flush(std::fma(flush(a), flush(b), flush(acc)));
+    a = flush(a), b = flush(b), acc = flush(acc);
+    return flush_result(a, b, acc, std::fma(a, b, acc));
   }
 };
 
@@ -147,6 +167,52 @@ inline __m256 exp8(__m256 x) {
   return _mm256_andnot_ps(under, out);
 }
 
+#endif
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+// MXCSR's DAZ and FTZ for this thread while in scope (``on``), the old state back after: a
+// vector path emulating VDPBF16PS's pair step with FMAs (CPUs without AVX-512 BF16) sets
+// them around exactly its product-add loops, so that the CPU reads subnormal inputs as zero
+// and flushes tiny results, as the instruction does and as the portable code writes out
+// (flush, flush_result).
+struct FlushDenormals {
+  unsigned saved;
+  explicit FlushDenormals(bool on) : saved(_mm_getcsr()) {
+    if (on) _mm_setcsr(saved | 0x8040u);
+  }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+  FlushDenormals(const FlushDenormals&) = delete;
+  FlushDenormals& operator=(const FlushDenormals&) = delete;
+};
+#endif
+
+#if defined(__AVX512F__)
+// 16 bfloat16 pairs (32-bit units, the odd element high): their odd and even elements as
+// floats (exact), for the pair step written as two FMAs where AVX-512 BF16 is missing.
+inline __m512 odd16(__m512i pairs) {
+  return _mm512_castsi512_ps(
+      _mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+inline __m512 even16(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
+
+// 16 bfloat16 as floats (exact).
+inline __m512 widen16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// Each lane rounded to bfloat16 and widened back, as c10::BFloat16(float) rounds (nearest
+// even, NaN to the quiet 0x7FC0): to_weight for 16 lanes without AVX-512 BF16's VCVTNEPS2BF16.
+inline __m512 round16_bf16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, bias), high);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  const __m512i quiet_nan = _mm512_set1_epi32(0x7FC00000);
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, rounded, quiet_nan));
+}
 #endif
 
 }  // namespace prefix_serve
