@@ -28,6 +28,7 @@ from bench.harness.redis_server import free_port
 from bench.harness.stacks import Counters, Running, prometheus_total
 from bench.peers.host import PRELOADS, physical_cores, vllm_preload
 from replica.checkpoints import SMOLLM2
+from replica.model.cpu import resolve_dtype
 
 SCRIPT = Path(__file__).resolve().parent / "ray_serve_llm.py"
 REPLICAS = 2  # of one CPU each (ray_serve_llm.py's default)
@@ -37,15 +38,21 @@ REPLICAS = 2  # of one CPU each (ray_serve_llm.py's default)
 def ray_llm(
     python: Path, hf: Path, work_dir: Path, cold: bool, preload: Iterable[str] = PRELOADS
 ) -> Iterator[Running]:
-    """Ray Serve LLM in vLLM's virtualenv; cold: an empty vLLM/inductor compile cache. What
-    stopping it left in ``/dev/shm`` is removed, and counted in ``Running.stopped``."""
+    """Ray Serve LLM in vLLM's virtualenv, in the dtype ``make serve``'s cluster serves on
+    this CPU (``dtype: auto``); cold: an empty vLLM/inductor compile cache. What stopping
+    it left in ``/dev/shm`` is removed, and counted in ``Running.stopped``."""
     cache = work_dir / "ray-llm-cache"
     if cold:
         shutil.rmtree(cache, ignore_errors=True)
     cores = physical_cores()[:REPLICAS]
     libs = ":".join(vllm_preload(python, preload))
-    given = {"ld_preload": libs, "omp_threads_bind_per_replica": [str(c) for c in cores]}
-    with shm_sweep() as sweep, _serve(python, hf, work_dir, cache, cores, libs) as running:
+    dtype = str(resolve_dtype("auto")).removeprefix("torch.")  # what ours serves here
+    given = {
+        "ld_preload": libs,
+        "omp_threads_bind_per_replica": [str(c) for c in cores],
+        "dtype": dtype,
+    }
+    with shm_sweep() as sweep, _serve(python, hf, work_dir, cache, cores, libs, dtype) as running:
         running.notes["peer_given"] = given
         yield running  # the sweep is left last: after the script and its Ray have exited
     running.stopped |= sweep.summary()
@@ -59,6 +66,7 @@ def _serve(
     cache: Path,
     cores: list[int],
     libs: str,
+    dtype: str,
 ) -> Iterator[Running]:
     """Start the script, yield the stack, stop it (SIGTERM: Serve and its Ray shut down)."""
     port, metrics = free_port(), free_port()
@@ -74,6 +82,7 @@ def _serve(
         f"--replicas={REPLICAS}",
         f"--cores={','.join(str(c) for c in cores)}",
         f"--preload={libs}",
+        f"--dtype={dtype}",
     ]
     start = time.monotonic()
     with open(work_dir / "ray-llm-serve.log", "a") as f:
