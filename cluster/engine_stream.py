@@ -25,7 +25,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from cluster.api import metrics as api_metrics
 from cluster.api.errors import engine_error, replica_failed
-from replica.messages import EngineRequest, InvalidRequestError, RequestOutput
+from replica.messages import EngineRequest, InvalidRequestError, RequestFailedError, RequestOutput
 
 
 @contextlib.contextmanager
@@ -91,7 +91,7 @@ class EngineStream:
                 return
             except ray.exceptions.RayError as exc:
                 cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else None
-                if isinstance(cause, InvalidRequestError):  # it would fail anywhere
+                if isinstance(cause, InvalidRequestError | RequestFailedError):  # anywhere
                     raise engine_error(exc, self.request.request_id) from None
                 if self.request.params.n > 1:  # several choices in flight: not resumable
                     self._resume_or_fail("mid_stream", give_up=True)

@@ -25,7 +25,7 @@ from ray import serve
 from kvindex.writer import IndexWriter
 from replica.config import EngineConfig, ReplicaArgs
 from replica.engine_loop import EngineLoop
-from replica.messages import EngineRequest, PullRequest, RequestOutput
+from replica.messages import EngineRequest, PullRequest, RequestFailedError, RequestOutput
 from replica.publisher import IndexPublisher
 from replica.store.files import publisher_lock_path
 from replica.store_publisher import StorePublisher
@@ -134,6 +134,8 @@ class EngineReplica:
         try:
             while not finished:
                 item = await queue.get()
+                if isinstance(item, RequestFailedError):  # this request alone
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineFailedError("the engine loop failed") from item
                 unfinished -= item.finished

@@ -19,7 +19,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from replica.messages import RequestOutput
+from replica.messages import RequestFailedError, RequestOutput
 
 if TYPE_CHECKING:
     from replica.engine import Engine
@@ -84,6 +84,9 @@ class EngineLoop:
         for out in outputs:
             queue = self.streams.get(out.request_id)
             if queue is None:
+                continue
+            if out.error is not None:  # this request failed in the engine, nothing else
+                queue.put_nowait(RequestFailedError(out.error))
                 continue
             item = out.streamed(self.replica_id)
             if out.finished and tier is not None and not tier.spilled(ticket):

@@ -31,6 +31,19 @@ class InvalidRequestError(ValueError):
         return (InvalidRequestError, (self.message, self.param, self.code))
 
 
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine (a bug that its own numbers or state hit, say in
+    sampling); the engine dropped it and served everything else. The ingress answers 500 and
+    never resends it (it would fail on any replica). ``message`` is for the server's log."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        return (RequestFailedError, (self.message,))
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     """One tokenized request. The ingress hashes the prompt once; the request router reads
@@ -53,7 +66,8 @@ class RequestOutput:
 
     ``request_id`` and ``index`` name the choice (a request with ``n`` > 1 has choices
     0..n-1). ``finish_reason`` is ``"stop"`` (EOS or a stop token), ``"length"``
-    (``max_tokens``) or ``"abort"``. ``num_cached_tokens`` counts prompt tokens served from
+    (``max_tokens``), ``"abort"``, or ``"error"`` (the engine dropped it: ``error`` says why,
+    ``RequestFailedError``). ``num_cached_tokens`` counts prompt tokens served from
     the prefix cache. A replica streams outputs as they are (``streamed``), with its id.
     """
 
@@ -68,6 +82,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # of ``new_token_ids``, when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # first output only, if asked
     replica_id: str = ""  # set by the replica that streamed it
+    error: str | None = None  # finish_reason "error": what failed
 
     def streamed(self, replica_id: str) -> RequestOutput:
         """This output as a replica sends it: with its id, and without the cumulative

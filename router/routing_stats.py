@@ -41,6 +41,7 @@ _REPLICA_KEYS = (
     "num_running",
     "num_waiting",
     "preemptions",
+    "failed_requests",
     # pulls (replica.pull) and the node store (replica.store): counted apart
     "pulls",
     "pulled_blocks",
@@ -56,6 +57,8 @@ _REPLICA_KEYS = (
     "store_restored_disk_blocks",
     "store_restore_rejected",
     "store_restore_seconds",
+    "store_spill_wait_seconds",
+    "store_spill_wait_timeouts",
     "store_blocks",
 )
 REPLICA_GAUGES = {

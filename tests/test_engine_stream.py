@@ -20,12 +20,13 @@ from cluster.api.errors import APIError, install_handlers
 from cluster.engine_stream import EngineStream
 from kvindex.hashing import BlockHasher
 from kvindex.records import RoutingRequest
-from replica.messages import EngineRequest, RequestOutput
+from replica.messages import EngineRequest, RequestFailedError, RequestOutput
 from replica.sampling.params import SamplingParams
 
 HASHER = BlockHasher(4, "test-model")
 PROMPT = list(range(10))
 DIES = object()  # in a script: the replica dies here
+FAILS = object()  # in a script: the request fails in the engine (``RequestFailedError``)
 
 
 class ScriptedCall:
@@ -45,6 +46,10 @@ class ScriptedCall:
             raise StopAsyncIteration
         if step is DIES:
             raise ray.exceptions.RayActorError()
+        if step is FAILS:  # what crosses Ray from the replica's generator
+            raise ray.exceptions.RayTaskError(
+                "generate", "traceback text", RequestFailedError("RuntimeError: boom")
+            ).as_instanceof_cause()
         tokens, finished, index = step  # type: ignore[misc]
         return RequestOutput(
             self.request.request_id, tokens, [], finished, "length" if finished else None,
@@ -141,6 +146,18 @@ def test_several_choices_are_resent_before_their_first_token_but_not_resumed_mid
         read_all(stream)
     assert failed.value.code == "replica_failed" and len(late.calls) == 1
     assert given_up("mid_stream") == before + 1
+
+
+def test_a_request_that_failed_in_the_engine_is_a_500_and_never_resent() -> None:
+    """It would fail on any replica (its own numbers or state): resending it could only
+    take more replicas' time; before the first token and after it alike."""
+    for script in ([FAILS], [([7], False, 0), FAILS]):
+        handle = ScriptedHandle(script, [([1], True, 0)])
+        stream = EngineStream(handle, request(), HASHER.chain, max_resumes=2)  # type: ignore[arg-type]
+        with pytest.raises(APIError) as failed:
+            read_all(stream)
+        assert (failed.value.status, failed.value.code) == (500, "internal_error")
+        assert len(handle.calls) == 1 and stream.resumes == 0
 
 
 def test_an_internal_error_is_a_500_in_the_openai_shape_without_a_stack_trace(

@@ -29,7 +29,7 @@ from router.config import routing_config
 MODEL = "tiny-llama-6m"
 KEYS = ["sk-one", "sk-two"]
 PROMPT = "The weather in Lisbon tomorrow will be"
-# the two rules no JSON Schema can state (every other one is in the document)
+# the three rules no JSON Schema can state (every other one is in the document)
 HOOKS = Path(__file__).with_name("schemathesis_hooks.py")
 
 
@@ -38,7 +38,7 @@ def cluster(redis_server: LocalRedis, request: pytest.FixtureRequest) -> Iterato
     failed = request.session.testsfailed
     args = ClusterArgs(
         num_replicas=1,  # isolation is checked on the very same replica
-        engine=tiny(num_threads=1, num_blocks=512, max_model_len=1024),
+        engine=tiny(num_threads=1, num_blocks=512, max_model_len=4096),
         api_keys=KEYS,
         max_tokens_limit=64,  # the document's bound: any max_tokens it allows fits the context
         routing=routing_config(stats_period_s=0.5),

@@ -257,3 +257,33 @@ def test_choices_beyond_max_num_seqs_wait_and_no_step_runs_more() -> None:
     assert [o.token_ids for o in outs] == [s.token_ids for s in separate]
     engine.check_invariants()
     assert engine.stats().blocks_in_use == 0
+
+
+def test_a_request_whose_own_sampling_fails_is_dropped_and_the_step_goes_on() -> None:
+    """A failure of one request's own (here its grammar put past its end, which xgrammar
+    refuses to mask: what a schemathesis run once hit in a replica) ends that request with
+    finish_reason "error"; the batch's other requests get the very tokens they get alone,
+    and every block comes back."""
+    from replica.sampling.params import StructuredOutput
+
+    engine = Engine(tiny())
+    alone = Engine(tiny()).generate([PROMPT], SamplingParams(max_tokens=6))[0].token_ids
+    held = SamplingParams(max_tokens=6, structured=StructuredOutput(kind="json_object"))
+    engine.add_request("held", PROMPT, held)
+    engine.add_request("free", PROMPT, SamplingParams(max_tokens=6))
+    grammar = engine._seqs["held"].grammar
+    assert grammar is not None
+    for token in b'{}':
+        assert grammar.matcher.accept_token(token)
+    assert grammar.matcher.accept_token(engine.config.shape.eos_token_ids[0])  # ended
+    outputs: dict[str, list] = {"held": [], "free": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+        engine.check_invariants()
+    (failed,) = outputs["held"]
+    assert failed.finish_reason == "error" and failed.finished
+    assert "terminated" in (failed.error or "")
+    assert [t for o in outputs["free"] for t in o.new_token_ids] == alone
+    assert engine.stats().failed_requests == 1
+    engine.check_invariants(idle=True)

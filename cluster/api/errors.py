@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from replica.messages import InvalidRequestError
+from replica.messages import InvalidRequestError, RequestFailedError
 
 
 class APIError(Exception):
@@ -140,6 +140,8 @@ def engine_error(exc: BaseException, request_id: str) -> APIError | None:
     cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
     if isinstance(cause, InvalidRequestError):
         return APIError(400, cause.message, code=cause.code, param=cause.param)
+    if isinstance(cause, RequestFailedError):  # this request alone: logged, never resent
+        return internal_error(cause, request_id)
     if isinstance(cause, ray.exceptions.RayError):
         return replica_failed()
     if isinstance(cause, Exception):

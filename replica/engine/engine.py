@@ -1,11 +1,20 @@
 """The offline engine: ``add_request`` / ``step`` for streaming, ``generate`` for batches.
 
-No Ray here: the Serve replica (``replica.deployment``) drives this class from its loop.
+No Ray here: the Serve replica (``replica.deployment``) drives this class from its loop. A
+request whose own sampling or bookkeeping fails is dropped with ``finish_reason`` "error"
+(``_fail``: its blocks freed, the step and every other request go on); a step that fails as
+a whole is a bug the replica reports.
+
+Longer than 300 lines because it is the engine's one face (requests, the step and what it
+hands back, runs to completion, events, introspection), which tests, the replica and the
+simulator all drive; the step's parts live in their own modules (scheduler, block manager,
+sampler, choices).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import abc
 from collections.abc import Callable
@@ -29,6 +38,8 @@ from replica.sampling.grammar import Grammars
 from replica.sampling.params import SamplingParams
 from replica.sampling.sampler import Sample, Sampler, record_prompt_logprobs
 from replica.store.tier import StoreTier
+
+log = logging.getLogger("ray.serve")
 
 
 class Engine:
@@ -235,7 +246,7 @@ class Engine:
         rows = logits.split(batch.logit_rows)
         sampled = [i for i, sample in enumerate(batch.samples) if sample]
         last_rows = torch.stack([rows[i][-1] for i in sampled]) if sampled else logits[:0]
-        samples = self.sampler.sample(last_rows, [batch.seqs[i] for i in sampled])
+        samples = self.sampler.sample_each(last_rows, [batch.seqs[i] for i in sampled])
         for seq, n, own in zip(batch.seqs, batch.num_new_tokens, rows, strict=True):
             self.metrics.computed_tokens += n
             record_prompt_logprobs(seq, own, n)
@@ -245,10 +256,25 @@ class Engine:
         for i, sample in zip(sampled, samples, strict=True):
             seq = batch.seqs[i]
             first_of_many = seq.params.n > 1 and seq.num_output_tokens == 0
-            outputs.append(self._advance(seq, sample, now))
-            if first_of_many:
-                outputs += self._fork_choices(seq, rows[i][-1], now)
+            try:
+                if isinstance(sample, Exception):
+                    raise sample
+                outputs.append(self._advance(seq, sample, now))
+                if first_of_many:
+                    outputs += self._fork_choices(seq, rows[i][-1], now)
+            except Exception as exc:  # one request's failure, never the step's
+                outputs.append(self._fail(seq, exc))
         return outputs
+
+    def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
+        """Drop ``seq`` (its blocks freed, like an abort) after a failure of its own, and
+        say so in its output (``finish_reason`` "error"); the step goes on for the rest."""
+        log.error("request %s failed in the engine", seq.request_id, exc_info=exc)
+        self.metrics.failed_requests += 1
+        self.scheduler.remove(seq)
+        self._seqs.pop(seq.request_id, None)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
+        return seq.output([], error=f"{type(exc).__name__}: {exc}")
 
     def _fork_choices(self, parent: Sequence, row: torch.Tensor, now: float) -> list[RequestOutput]:
         """Choices 1..n-1 of ``parent``, from its one prefill (``replica.engine.choices``)."""
@@ -277,19 +303,8 @@ class Engine:
             self.scheduler.remove(seq)
             del self._seqs[seq.request_id]
             m.num_finished += 1
-        prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
-        return RequestOutput(
-            request_id=seq.parent_id,
-            new_token_ids=[token],
-            token_ids=seq.output_token_ids,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_prompt_tokens or 0,
-            index=seq.index,
-            logprobs=None if sample.logprob is None else [sample.logprob],
-            prompt_logprobs=prompt_logprobs,
-        )
+        logprobs = None if sample.logprob is None else [sample.logprob]
+        return seq.output([token], logprobs)
 
     def _emit_events(self) -> None:
         cache = self.block_manager.prefix_cache

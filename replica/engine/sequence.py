@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from replica.messages import RequestOutput, TokenLogprob
 from replica.sampling.params import SamplingParams
 
 
@@ -79,3 +80,25 @@ class Sequence:
         if token in eos_token_ids and not params.ignore_eos:
             return "stop"
         return "length" if self.num_output_tokens >= params.max_tokens else None
+
+    def output(
+        self,
+        new: list[int],
+        logprobs: list[TokenLogprob] | None = None,
+        error: str | None = None,
+    ) -> RequestOutput:
+        """This sequence's output after a step (its prompt logprobs go with its first)."""
+        prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
+        return RequestOutput(
+            request_id=self.parent_id,
+            new_token_ids=new,
+            token_ids=self.output_token_ids,
+            finished=self.is_finished,
+            finish_reason=self.finish_reason,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_prompt_tokens or 0,
+            index=self.index,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            error=error,
+        )

@@ -30,6 +30,7 @@ class EngineMetrics:
 
     num_finished: int = 0
     num_aborted: int = 0
+    failed_requests: int = 0  # dropped after a failure of their own (``Engine._fail``)
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     computed_tokens: int = 0  # tokens run through the model (prefill suffixes and decodes)
@@ -52,6 +53,7 @@ class EngineStats:
     num_waiting: int
     num_finished: int
     num_aborted: int
+    failed_requests: int
     prompt_tokens: int
     cached_prompt_tokens: int
     hit_rate: float
@@ -84,6 +86,7 @@ class EngineStats:
             num_waiting=len(scheduler.waiting),
             num_finished=m.num_finished,
             num_aborted=m.num_aborted,
+            failed_requests=m.failed_requests,
             prompt_tokens=m.prompt_tokens,
             cached_prompt_tokens=m.cached_prompt_tokens,
             hit_rate=m.hit_rate,

@@ -86,6 +86,21 @@ class Sampler:
             for row, seq in enumerate(seqs)
         ]
 
+    def sample_each(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sample | Exception]:
+        """``sample``, but a sequence whose sampling raises gets its exception instead of a
+        sample (the others are then sampled one by one: the same draws, as every draw is
+        seeded by its own request and position)."""
+        try:
+            return list(self.sample(logits, seqs))
+        except Exception:
+            out: list[Sample | Exception] = []
+            for row, seq in zip(logits, seqs, strict=True):
+                try:
+                    out += self.sample(row.unsqueeze(0), [seq])
+                except Exception as exc:
+                    out.append(exc)
+            return out
+
     def sample_one(self, logits: torch.Tensor, seq: Sequence) -> Sample:
         params = seq.params
         processed = logits if seq.grammar is None else seq.grammar.mask(logits)
