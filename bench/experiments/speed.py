@@ -132,6 +132,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["conditions"] = {
         "torch": torch.__version__,
         "repeats": args.repeats,
+        "prefill_tokens": len(prompts["prefill"]),
+        "batches": batches,
         "decode_tokens": args.decode_tokens,
         "order": "ABBA: each job on every engine in turn, the order reversed every repeat",
     }

@@ -1,0 +1,118 @@
+"""The README's result tables, rendered from the JSON a run kept under ``docs/results/``.
+
+``python -m bench.tables docs/results/<run>.json`` prints the table of a ``speed`` run
+(ours next to vLLM) or a ``stack`` run (our cluster next to Ray Serve LLM), with the commit
+and CPU it measured. The README places each table after a marker naming its file
+(``<!-- table: docs/results/<run>.json -->``), and ``tests/test_results_tables.py`` checks
+that every such table is exactly what this prints: a table cannot drift from its run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+SPEED_ROWS = (
+    ("prefill_tokens_per_s", "prefill ({prefill} tokens)"),
+    ("decode_tokens_per_s_b1", "decode, batch 1"),
+    ("decode_tokens_per_s_b8", "decode, batch 8"),
+    ("decode_tokens_per_s_b32", "decode, batch 32"),
+    ("output_tokens_per_s_b1", "output, batch 1"),
+    ("output_tokens_per_s_b8", "output, batch 8"),
+    ("output_tokens_per_s_b32", "output, batch 32"),
+)
+
+
+def _num(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def _ratio(s: dict[str, float]) -> str:
+    return f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
+
+
+def provenance_line(run: dict[str, Any]) -> str:
+    p = run["provenance"]
+    cpu = p["cpu"]
+    isa = next((k for k in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if cpu.get(k)), "none")
+    dirty = ", uncommitted changes" if p.get("dirty") else ""
+    return f"commit {p['commit'][:7]}{dirty}; {cpu['model']}, best ISA {isa}"
+
+
+def speed_table(run: dict[str, Any]) -> str:
+    """Ours next to vLLM, tokens/s: medians, and the per-repeat ratio's median (range)."""
+    prefill = run["conditions"].get("prefill_tokens", 1024)  # 1,024 before it was recorded
+    lines = [
+        f"| tokens/s, {run['dtype']} | ours | vLLM CPU 0.32 | ours / vLLM |",
+        "| --- | --- | --- | --- |",
+    ]
+    for key, label in SPEED_ROWS:
+        ours, peer, ratio = run["ours"][key], run["vllm"][key], run["ours_over_vllm"][key]
+        name = label.format(prefill=f"{prefill:,}")
+        lines.append(
+            f"| {name} | {_num(ours['median'])} | {_num(peer['median'])} | {_ratio(ratio)} |"
+        )
+    return "\n".join(lines)
+
+
+def _median(summary: dict[str, Any], key: str) -> float:
+    return summary[key]["median"]
+
+
+def _range(s: dict[str, float]) -> str:
+    return f"{s['min']:,.0f}-{s['max']:,.0f}"
+
+
+def stack_table(run: dict[str, Any]) -> str:
+    """Our cluster next to Ray Serve LLM: medians over the rounds (range for the ratios)."""
+    ours, peer, ratio = run["ours"], run["ray-llm"], run["ours_over_ray-llm"]
+    rounds = {name: len(rows) for name, rows in run["rounds"].items()}
+    rows = [
+        ("requests/s", "request_throughput", ".2f"),
+        ("output tokens/s", "output_throughput", ".0f"),
+        ("TTFT p50 ms", "ttft_p50_ms", ",.0f"),
+        ("TTFT p99 ms", "ttft_p99_ms", ",.0f"),
+        ("ITL p50 ms", "itl_p50_ms", ".1f"),
+        ("ITL p99 ms", "itl_p99_ms", ",.0f"),
+        ("end-to-end p99 ms", "e2el_p99_ms", ",.0f"),
+    ]
+    lines = [
+        f"| {rounds['ours']} + {rounds['ray-llm']} rounds | ours | Ray Serve LLM + vLLM "
+        "| ours / Ray LLM |",
+        "| --- | --- | --- | --- |",
+    ]
+    for label, key, fmt in rows:
+        a, b = format(_median(ours, key), fmt), format(_median(peer, key), fmt)
+        lines.append(f"| {label} | {a} | {b} | {_ratio(ratio[key])} |")
+    cached = [f"{_median(s, 'cached_fraction'):.3f}" for s in (ours, peer)]
+    lines.append(f"| prompt tokens from cache | {cached[0]} | {cached[1]} | |")
+    failed = [sum(r["failed"] for r in run["rounds"][n]) for n in ("ours", "ray-llm")]
+    lines.append(f"| failed requests, all rounds | {failed[0]} | {failed[1]} | |")
+    starts = [_starts(s) for s in (ours, peer)]
+    lines.append(f"| start, cold / warm median s | {starts[0]} | {starts[1]} | |")
+    for label, key in (("RSS", "replica_rss_mib"), ("PSS", "replica_pss_mib")):
+        lines.append(
+            f"| {label} per engine replica MiB | {_range(ours[key])} | {_range(peer[key])} | |"
+        )
+    return "\n".join(lines)
+
+
+def _starts(summary: dict[str, Any]) -> str:
+    cold, warm = summary["startup_cold_s"], sorted(summary["startup_warm_s"])
+    warm_median = warm[len(warm) // 2] if warm else float("nan")
+    return f"{cold[0]:.0f} / {warm_median:.0f}"
+
+
+def render(path: Path, name: str | None = None) -> str:
+    """The table of the run kept at ``path`` (cited as ``name``, else the path as given),
+    and the line naming what it measured."""
+    run = json.loads(path.read_text())
+    table = stack_table(run) if "rounds" in run else speed_table(run)
+    return f"{table}\n\n({provenance_line(run)}; `{name or path.as_posix()}`)"
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:]:
+        print(render(Path(arg)), end="\n\n")
