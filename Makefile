@@ -42,10 +42,13 @@ bench: install
 	$(PY) -m bench engine --trace chat --out results/engine-chat.json
 	$(PY) -m bench engine --model smollm2-135m-instruct --dtype bfloat16 \
 	    --trace assistant --rate 2 --requests 48 --vllm --out results/engine-assistant.json
+	$(PY) -m bench speed --model smollm2-135m-instruct --dtype float32 \
+	    --threads 2 --peers ours,vllm --batches 1,8,32 --prefill-tokens 1024 \
+	    --decode-tokens 64 --repeats 4 --out results/speed-vllm-float32.json
 	$(PY) -m bench speed --model smollm2-135m-instruct --dtype bfloat16 \
-	    --threads 2 --peers ours,vllm,rev:811f5fb --batches 1,8,32 --prefill-tokens 1024 \
-	    --decode-tokens 64 --repeats 4 --out results/speed-peers-2.json
-	$(PY) -m bench stack --stacks ours,ray-llm,rev:811f5fb --repeats 2 --prompts 120 \
+	    --threads 2 --peers ours,vllm --batches 1,8,32 --prefill-tokens 1024 \
+	    --decode-tokens 64 --repeats 4 --out results/speed-vllm-bfloat16.json
+	$(PY) -m bench stack --stacks ours,ray-llm --repeats 6 --prompts 120 \
 	    --prefixes 6 --prefix-len 512 --suffix-len 64 --output-len 64 --rate 4 \
 	    --concurrency 8 --seed 0 --out results/stack.json
 	$(PY) -m bench pull --where engine --model smollm2-135m-instruct --dtype bfloat16 \
