@@ -38,7 +38,7 @@ def request_router_config(args: ClusterArgs) -> RequestRouterConfig:
         "store": args.store.model_dump(),
     }
     return RequestRouterConfig(
-        request_router_class="router.serve_router:PrefixAwareRequestRouter",
+        request_router_class="router.serve.router:PrefixAwareRequestRouter",
         request_router_kwargs=kwargs,
         **period,
     )

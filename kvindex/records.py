@@ -115,7 +115,9 @@ class ReplicaTable(Sequence[ReplicaState]):
     rank a thousand replicas without a thousand objects; also a sequence of ``ReplicaState``
     for policies that read states one by one.
 
-    Built from columns (the index mirror's answer) or from states (lazily turned into
+    It is the one shape of the index's answer (Redis's, a mirror's, the simulator's: every
+    live entry's state for one chain, node stores' entries among them) and of what a policy
+    ranks. Built from columns (the index mirror's answer) or from states (lazily turned into
     columns, and back only where asked). ``known`` False: the index did not answer (every
     ``cached_blocks`` is None). ``id_hashes`` (optional) are the ids' rendezvous hashes
     (``kvindex.hashing.id_hash``), carried so a ranking need not hash every id again.
@@ -210,6 +212,15 @@ class ReplicaTable(Sequence[ReplicaState]):
             self._id_array = np.array(self.ids, dtype=object)
         return self._id_array
 
+    def as_dict(self) -> dict[str, ReplicaState]:
+        """Entry id -> state (two answers hold the same when these are equal)."""
+        return {state.replica_id: state for state in self}
+
+    def state_of(self, rid: str) -> ReplicaState | None:
+        """``rid``'s state (None: not in the table)."""
+        k = self.position(rid)
+        return None if k is None else self[k]
+
     def position(self, rid: str) -> int | None:
         """Where ``rid`` is (None: not in the table), without building ``positions``."""
         if self._positions is not None:
@@ -245,20 +256,3 @@ class ReplicaTable(Sequence[ReplicaState]):
         if not self.known:
             values["cached_blocks"] = None
         return ReplicaState(self.ids[k], **values)
-
-
-class TableAnswer(Mapping[str, ReplicaState]):
-    """An index answer (replica id -> state) held as a ``ReplicaTable``: what a mirror
-    answers, equal to the dict ``IndexReader.query`` answers on the same state."""
-
-    def __init__(self, table: ReplicaTable) -> None:
-        self.table = table
-
-    def __getitem__(self, rid: str) -> ReplicaState:
-        return self.table[self.table.positions[rid]]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.table.ids)
-
-    def __len__(self) -> int:
-        return len(self.table)

@@ -21,7 +21,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvindex.config import IndexConfig
-from kvindex.records import ReplicaState, ReplicaTable, RoutingRequest, store_id
+from kvindex.records import ReplicaTable, RoutingRequest, store_id
 
 
 class StoreConfig(BaseModel):
@@ -70,13 +70,13 @@ def store_namespace(index: IndexConfig) -> str:
 
 
 def with_stored(
-    table: ReplicaTable, answer: Mapping[str, ReplicaState], nodes: Mapping[str, str]
+    table: ReplicaTable, answer: ReplicaTable, nodes: Mapping[str, str]
 ) -> ReplicaTable:
     """``table`` with ``stored_blocks`` set: for each replica whose node is known, the
     leading run of the prompt that its node's store holds (the index's answer)."""
     runs = {}
     for node in set(nodes.values()):
-        entry = answer.get(store_id(node))
+        entry = answer.state_of(store_id(node))
         runs[node] = (entry.cached_blocks or 0) if entry is not None else 0
     if not any(runs.values()):
         return table

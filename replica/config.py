@@ -11,7 +11,7 @@ from kvindex.hashing import BlockHasher
 from kvindex.pulls import PullConfig
 from kvindex.stored import StoreConfig
 from replica.checkpoints import SMOLLM2
-from replica.model.shape import ModelShape
+from replica.checkpoints.shape import ModelShape
 
 __all__ = ["EngineConfig", "ModelShape", "ReplicaArgs"]
 

@@ -73,7 +73,7 @@ MUTATIONS = [
      "        self.generations[block] += 1\n", "",
      "test_shared_pool.py::test_a_block_evicted_after_the_export_ends_the_import_there"),
     ("a block pulled by reference is not checked after its copy",
-     "replica/model/shared_pool.py",
+     "replica/kv/shared_pool.py",
      "if after[sources[i]] != generations[i]:", "if False:",
      "test_shared_pool.py::"
      "test_a_block_reused_mid_copy_is_refused_even_after_its_bytes_arrived"),
@@ -99,7 +99,7 @@ MUTATIONS = [
      "        if not parent.block_table:  # released", "        if False:  # released",
      "test_block_manager.py::"
      "test_a_released_sequence_holds_nothing_and_a_fork_of_it_is_refused"),
-    ("an imported or restored block's tokens not compared", "replica/engine/transfer.py",
+    ("an imported or restored block's tokens not compared", "replica/kv/transfer.py",
      'else "tokens differ" if block.token_ids != tokens', 'else "tokens differ" if False',
      "test_store_tier.py::test_a_forged_block_under_the_right_hash_is_refused"),
     ("a node store's fingerprint leaves the secret out", "replica/store/layout.py",

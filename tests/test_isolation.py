@@ -102,7 +102,8 @@ def published(cluster: ServeCluster, system: str, question: str, holder: str) ->
     reader = IndexReader(watch, cluster.args.engine.model_id)
 
     def held() -> int:
-        state = (reader.query(chain) or {}).get(holder)
+        answer = reader.query(chain)
+        state = answer.state_of(holder) if answer is not None else None
         return (state.cached_blocks or 0) if state is not None else 0
 
     deadline = time.monotonic() + 10

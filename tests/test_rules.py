@@ -21,10 +21,10 @@ from cluster.request_builder import RequestBuilder
 from kvindex.config import IndexConfig
 from kvindex.reader import IndexReader
 from kvindex.records import RoutingRequest
-from replica.engine import Engine, SamplingParams
-from replica.engine.sequence import Sequence
 from replica.messages import EngineRequest
-from replica.sampling.sampler import Sampler, position_seed
+from replica.model.runner import build_engine
+from replica.sampling.params import SamplingParams
+from replica.sampling.sampler import Sampler, SampleRow, position_seed
 from router.config import make_policy, routing_config
 from router.core import RoutingCore
 from router.recent_routes import RecentRoutes
@@ -33,10 +33,9 @@ LOGITS = torch.tensor([2.0, 1.0, 0.0, -1.0])
 DRAWS = 4000
 
 
-def seq(params: SamplingParams, output: list[int] = (), rid: str = "r") -> Sequence:
-    s = Sequence(rid, [3], params, None, 0.0)  # a prompt of the least likely token
-    s.token_ids += list(output)
-    return s
+def seq(params: SamplingParams, output: list[int] = (), rid: str = "r") -> SampleRow:
+    """One row to sample: a prompt of the least likely token, then ``output``."""
+    return SampleRow(rid, params, [3, *output], num_prompt_tokens=1)
 
 
 def frequencies(params: SamplingParams, logits: torch.Tensor = LOGITS) -> torch.Tensor:
@@ -104,7 +103,7 @@ def test_a_resumed_request_counts_its_delivered_tokens_as_output() -> None:
     """Resuming (what failover sends): the delivered tokens are output, so ``max_tokens``,
     usage and the sampler's positions go on where they stopped, and the rest of the
     stream is what the request alone would have produced."""
-    engine = Engine(tiny(num_blocks=128))
+    engine = build_engine(tiny(num_blocks=128))
     prompt = list(range(40, 70))
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)
     (whole,) = engine.generate([prompt], params)

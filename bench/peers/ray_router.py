@@ -15,7 +15,8 @@ from typing import Any
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
-from router import link, routing_stats
+from router import routing_stats
+from router.serve import link
 
 CLASS_PATH = "bench.peers.ray_router:TimedPowerOfTwoRouter"
 

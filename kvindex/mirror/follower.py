@@ -35,7 +35,7 @@ from redis.retry import Retry
 from kvindex import keys, scripts
 from kvindex.config import IndexConfig
 from kvindex.mirror.state import MirrorState
-from kvindex.reader import Answer
+from kvindex.records import ReplicaTable
 
 SNAPSHOT_CHUNK = 32  # replicas whose blocks one round trip of a snapshot reads
 
@@ -109,7 +109,7 @@ class IndexMirror:
         fresh = time.monotonic() - self._heard < self.stale_after_s
         return self._log_id is not None and self._live_known and fresh
 
-    def query(self, block_hashes: Sequence[bytes]) -> Answer | None:
+    def query(self, block_hashes: Sequence[bytes]) -> ReplicaTable | None:
         """``IndexReader.query``'s answer, from memory; None while not synced or stale."""
         if not self.synced():
             self.counters.unknown_answers += 1

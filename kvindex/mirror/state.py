@@ -21,7 +21,7 @@ import numpy as np
 
 from kvindex.hashing import id_hash
 from kvindex.mirror.holder_table import HolderTable, block_keys
-from kvindex.records import COLUMNS, ReplicaTable, TableAnswer
+from kvindex.records import COLUMNS, ReplicaTable
 
 HASH_BYTES = 16
 LOAD_FIELDS = ("prefill", "active", "decode")
@@ -179,7 +179,7 @@ class MirrorState:
 
     # --- the answer ---
 
-    def answer(self, chain: Sequence[bytes], now_ms: float) -> TableAnswer:
+    def answer(self, chain: Sequence[bytes], now_ms: float) -> ReplicaTable:
         """Every live replica's state for ``chain``, as ``IndexReader.query`` answers it."""
         if self._live_slots is None:
             self._cache_live()
@@ -202,14 +202,13 @@ class MirrorState:
             "stored_blocks": np.zeros(slots.size, np.int64),
         }
         assert set(columns) == set(COLUMNS)
-        table = ReplicaTable(
+        return ReplicaTable(
             self.live,
             columns,
             id_hashes=self.id_hashes[slots],
             id_array=self._live_array,
             positions=self._live_positions,
         )
-        return TableAnswer(table)
 
     def _cache_live(self) -> None:
         """What every answer needs of the live set: slots, their bitmask, each slot's place."""

@@ -11,7 +11,12 @@ imported into it would be a copy).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any, Protocol
+
+from ray.serve import context as serve_context
 
 
 class LinkedRouter(Protocol):
@@ -78,3 +83,20 @@ class RouterLink:
 
 
 LINK = RouterLink()
+
+
+@contextlib.contextmanager
+def call_id(call_id: str) -> Iterator[None]:
+    """Serve's request context with ``call_id`` as its internal request id, for one call.
+
+    Serve gives every call made while serving an HTTP request that request's internal id, and
+    its request router keys pending calls by that id: two calls at once (a batch of prompts)
+    would take each other's place and one would never be sent. Each call gets its own.
+    """
+    current = serve_context._get_serve_request_context()
+    own = replace(current, _internal_request_id=call_id)
+    token = serve_context._serve_request_context.set(own)
+    try:
+        yield
+    finally:
+        serve_context._serve_request_context.reset(token)
