@@ -30,9 +30,11 @@ SHM = Path("/dev/shm")
 # (``psm_<hex>``: vLLM's ShmRingBuffer message queues, its tensor arena and object store,
 # unlinked only by their creator's ``__del__`` or by a resource tracker that a kill takes
 # down too), torch's shared tensors (``torch_<pid>_<n>``) and multiprocessing's named
-# semaphores under spawn (``sem.mp-<id>``). Never this project's node store
+# semaphores under spawn (``sem.mp-<id>``), and Intel OpenMP's registration files
+# (``__KMP_REGISTERED_LIB_<pid>_0``, 1 KiB each: every process that loaded the preloaded
+# libiomp5 and was killed leaves one; a 6-round stack run left 42). Never this project's node store
 # (``prefix-serve-store-*``): it is meant to outlive its replicas.
-PEER_SHM_PATTERNS = ("psm_*", "torch_*", "sem.mp-*")
+PEER_SHM_PATTERNS = ("psm_*", "torch_*", "sem.mp-*", "__KMP_REGISTERED_LIB_*")
 
 
 def _cmdline(pid: int) -> str:
