@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from kvindex.config import IndexConfig
 from kvindex.mirror import IndexMirror
 from kvindex.reader import IndexReader
-from kvindex.records import Booking, ReplicaTable
+from kvindex.records import Booking, Load, ReplicaTable
 
 # this router's booked load per replica: (prefill tokens, in flight, decode blocks)
-Totals = Callable[[], dict[str, tuple[int, int, int]]]
+Totals = Callable[[], Mapping[str, Load]]
 
 
 class BookingChannel(Protocol):

@@ -27,7 +27,7 @@ from redis.retry import Retry
 
 from kvindex import keys, scripts
 from kvindex.config import IndexConfig
-from kvindex.records import Booking, ReplicaState, ReplicaTable, is_store
+from kvindex.records import Booking, Load, ReplicaState, ReplicaTable, is_store
 
 TRIP_AFTER_FAILURES = 3  # failed queries in a row before routers stop asking for a while
 
@@ -118,14 +118,18 @@ class IndexReader:
         self,
         router_id: str,
         ttl_s: float,
-        totals: Mapping[str, tuple[int, int, int]],
+        totals: Mapping[str, Load],
         predictions: Sequence[tuple[str, Sequence[bytes]]],
         predict_ttl_s: float,
     ) -> int:
         """A mirroring router's bookings (its totals per replica: prefill tokens, requests,
         decode blocks) and the prompts it sent where since its last share; the log's
         sequence number of the last event, 0 if Redis did not take it."""
-        body = ",".join(f"{rid}:{p}:{a}:{d}" for rid, (p, a, d) in totals.items() if p or a or d)
+        body = ",".join(
+            f"{rid}:{v.prefill_tokens}:{v.in_flight}:{v.decode_blocks}"
+            for rid, v in totals.items()
+            if v != Load()
+        )
         args: list[object] = [router_id, int(ttl_s * 1000), body, int(predict_ttl_s * 1000)]
         for rid, hashes in predictions:
             args += [rid, b"".join(hashes)]

@@ -38,6 +38,35 @@ class RoutingRequest:
 
 
 @dataclass(frozen=True)
+class Load:
+    """The load booked on one replica, spelled the same from Redis (``kvindex.scripts``'
+    ``loads`` hash fields, ``<replica>:<field>``) to the mirror, the shares and
+    ``ReplicaState``: the uncached prompt tokens booked and not yet computed, the requests
+    booked and not finished, the KV blocks those requests hold or will."""
+
+    prefill_tokens: int = 0
+    in_flight: int = 0
+    decode_blocks: int = 0
+
+    def __add__(self, other: Load) -> Load:
+        return Load(
+            self.prefill_tokens + other.prefill_tokens,
+            self.in_flight + other.in_flight,
+            self.decode_blocks + other.decode_blocks,
+        )
+
+    def __sub__(self, other: Load) -> Load:
+        return Load(
+            self.prefill_tokens - other.prefill_tokens,
+            self.in_flight - other.in_flight,
+            self.decode_blocks - other.decode_blocks,
+        )
+
+
+LOAD_FIELDS = tuple(f.name for f in fields(Load))  # the triple's one order, everywhere
+
+
+@dataclass(frozen=True)
 class ReplicaState:
     """A live replica as a router sees it now, for one request.
 
@@ -48,9 +77,9 @@ class ReplicaState:
     """
 
     replica_id: str
-    in_flight: int = 0  # requests booked on it and not finished
-    booked_prefill_tokens: int = 0  # uncached prompt tokens booked on it, not yet computed
-    booked_decode_blocks: int = 0  # KV blocks its booked requests hold or will
+    in_flight: int = 0  # requests booked on it and not finished (``Load``)
+    prefill_tokens: int = 0  # uncached prompt tokens booked on it, not yet computed
+    decode_blocks: int = 0  # KV blocks its booked requests hold or will
     cached_blocks: int | None = None  # leading blocks of the chain it has published
     predicted_blocks: int = 0  # leading blocks recent decisions booked to it (short TTL)
     footprint_blocks: int = 0  # distinct blocks it has published (its share of the cache)

@@ -23,17 +23,18 @@ import ray
 from ray import serve
 
 from kvindex.writer import IndexWriter
-from replica.config import EngineConfig, ReplicaArgs
+from replica.args import ReplicaArgs
+from replica.config import EngineConfig
 from replica.engine_loop import EngineLoop
 from replica.errors import RequestFailedError
 from replica.messages import EngineRequest, PullRequest, RequestOutput
 from replica.publisher import IndexPublisher
 from replica.store.files import publisher_lock_path
-from replica.store.tier import StoreTier
 from replica.store_publisher import StorePublisher
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch loads in the replica's process only, not where the app is built
     from replica.kv.transfer import PrefixExport
+    from replica.store.tier import StoreTier
 
 log = logging.getLogger("ray.serve")
 

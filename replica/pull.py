@@ -30,12 +30,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvindex.config import IndexConfig
-from kvindex.pulls import PullConfig, pull_source
+from kvindex.pulls import pull_source
 from kvindex.reader import IndexReader
 from kvindex.records import store_id
 from replica.engine.engine import Engine
 from replica.kv.transfer import import_prefix
 from replica.messages import EngineRequest, PullRequest
+from replica.pull_config import PullConfig
 
 log = logging.getLogger("ray.serve")
 

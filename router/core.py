@@ -23,9 +23,9 @@ from typing import Protocol
 
 import numpy as np
 
-from kvindex.pulls import PullConfig, pulled_token_column, with_pullable
-from kvindex.records import COLUMNS, Booking, ReplicaTable, RoutingRequest
-from kvindex.stored import StoreConfig, stored_token_column, with_stored
+from kvindex.pulls import PullPrices, pulled_token_column, with_pullable
+from kvindex.records import COLUMNS, LOAD_FIELDS, Booking, ReplicaTable, RoutingRequest
+from kvindex.stored import StorePrices, stored_token_column, with_stored
 from router.bookings import Bookings
 from router.policies import RoutingPolicy, cache_credits
 from router.recent_routes import RecentRoutes
@@ -85,8 +85,8 @@ class RoutingCore:
         self,
         policy: RoutingPolicy,
         recent: RecentRoutes | None = None,
-        pulls: PullConfig | None = None,
-        stores: StoreConfig | None = None,
+        pulls: PullPrices | None = None,
+        stores: StorePrices | None = None,
     ) -> None:
         self.policy = policy
         self.bookings = Bookings()
@@ -156,15 +156,15 @@ class RoutingCore:
             floors = None
         if not local and floors is None:
             return table
-        changed = ("booked_prefill_tokens", "in_flight", "booked_decode_blocks") if local else ()
+        changed = LOAD_FIELDS if local else ()
         columns = {c: table.column(c).copy() for c in changed}
         where = table.positions
         for rid, load in local.items():
             k = where.get(rid)
             if k is not None:
-                columns["booked_prefill_tokens"][k] += load.prefill_tokens
+                columns["prefill_tokens"][k] += load.prefill_tokens
                 columns["in_flight"][k] += load.in_flight
-                columns["booked_decode_blocks"][k] += load.decode_blocks
+                columns["decode_blocks"][k] += load.decode_blocks
         if floors is not None:  # a new column, or the copy above raised in place
             in_flight = columns.get("in_flight")
             columns["in_flight"] = np.maximum(table.column("in_flight"), floors, out=in_flight)

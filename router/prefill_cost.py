@@ -51,9 +51,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvindex.pulls import PullConfig, pull_prices, pulled_token_column
+from kvindex.pulls import PullPrices, pull_prices, pulled_token_column
 from kvindex.records import ReplicaTable, RoutingRequest
-from kvindex.stored import StoreConfig, restore_prices, stored_token_column
+from kvindex.stored import StorePrices, restore_prices, stored_token_column
 from router.policies import (
     Ranking,
     RoutingPolicy,
@@ -80,8 +80,8 @@ class CostKnobs:
     new_prefix_slack: float = 0.0
     min_hit_fraction: float = 0.5
     work_half_life_tokens: int = HALF_LIFE_TOKENS
-    pull: PullConfig | None = None  # the replicas pull prefixes: price a pull, not a prefill
-    store: StoreConfig | None = None  # node stores: price a restore, not a prefill
+    pull: PullPrices | None = None  # the replicas pull prefixes: price a pull, not a prefill
+    store: StorePrices | None = None  # node stores: price a restore, not a prefill
 
 
 def tie_key(request: RoutingRequest, held_blocks: int) -> bytes:
@@ -133,7 +133,7 @@ class PrefillCost(RoutingPolicy):
 
     def cost_column(self, request: RoutingRequest, table: ReplicaTable) -> np.ndarray:
         costs = (
-            table.column("booked_prefill_tokens")
+            table.column("prefill_tokens")
             + (request.num_prompt_tokens - cache_credits(request, table))
             + self.knobs.decode_cost_tokens * table.column("in_flight")
         )

@@ -103,10 +103,12 @@ REPLICA_FLOORS = (
     ("replica.kv",),
     ("replica.model", "replica.store"),
     (
+        "replica.args",
         "replica.deployment",
         "replica.engine_loop",
         "replica.publisher",
         "replica.pull",
+        "replica.pull_config",
         "replica.store_publisher",
     ),
 )

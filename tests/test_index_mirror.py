@@ -20,7 +20,7 @@ from kvindex.hashing import BlockHasher
 from kvindex.mirror import SNAPSHOT_CHUNK, IndexMirror
 from kvindex.mirror.state import MirrorState
 from kvindex.reader import IndexReader
-from kvindex.records import Booking, RoutingRequest
+from kvindex.records import Booking, Load, RoutingRequest
 from kvindex.writer import IndexWriter
 from router.config import make_policy, routing_config
 from router.core import RoutingCore
@@ -220,7 +220,7 @@ def test_mirror_state_slots_are_reused_only_after_a_purge() -> None:
     state.apply({b"o": b"dereg", b"r": b"a", b"a": b"", b"b": b""})
     state.add("b", [os.urandom(16)])  # takes a's slot, which holds nothing any more
     state.set_live(["b"])
-    assert state.answer([block], 0.0)["b"].cached_blocks == 0
+    assert state.answer([block], 0.0).state_of("b").cached_blocks == 0
     state.check()
 
 
@@ -235,18 +235,18 @@ def test_routers_see_each_others_shared_bookings_until_they_lapse(fresh_redis) -
         name: caught_up(IndexMirror(index.config, MODEL, 10, name, live_poll_s=0.0), index)
         for name in ("a", "b")
     }
-    share = index.reader.ashare("a", 0.5, {"r0": (100, 2, 9)}, [("r1", CHAINS[1][:4])], 30.0)
+    share = index.reader.ashare("a", 0.5, {"r0": Load(100, 2, 9)}, [("r1", CHAINS[1][:4])], 30.0)
     assert index.run(share)
     for mirror in mirrors.values():
         caught_up(mirror, index)
     seen_by_b = mirrors["b"].query(CHAINS[1]).as_dict()
     seen_by_a = mirrors["a"].query(CHAINS[1]).as_dict()
-    assert (seen_by_b["r0"].booked_prefill_tokens, seen_by_b["r0"].in_flight) == (100, 2)
-    assert seen_by_b["r0"].booked_decode_blocks == 9
+    assert (seen_by_b["r0"].prefill_tokens, seen_by_b["r0"].in_flight) == (100, 2)
+    assert seen_by_b["r0"].decode_blocks == 9
     assert seen_by_a["r0"].in_flight == 0  # its own: the router counts those itself
     assert (mirrors["b"].state.shared_in_flight, mirrors["a"].state.shared_in_flight) == (2, 0)
     assert seen_by_a["r1"].predicted_blocks == seen_by_b["r1"].predicted_blocks == 4
-    again = index.reader.ashare("a", 0.5, {"r1": (5, 1, 1)}, [], 30.0)  # replaces the last
+    again = index.reader.ashare("a", 0.5, {"r1": Load(5, 1, 1)}, [], 30.0)  # replaces the last
     assert index.run(again)
     caught_up(mirrors["b"], index)
     answer = mirrors["b"].query(CHAINS[1]).as_dict()
@@ -266,7 +266,7 @@ def test_a_router_stopping_cleanly_withdraws_its_shared_bookings_at_once(fresh_r
     index = Index(fresh_redis.url)
     index.writer.register("r0", "e")
     other = caught_up(IndexMirror(index.config, MODEL, 10, "b", live_poll_s=0.0), index)
-    assert index.run(index.reader.ashare("a", 60.0, {"r0": (100, 2, 9)}, [], 30.0))
+    assert index.run(index.reader.ashare("a", 60.0, {"r0": Load(100, 2, 9)}, [], 30.0))
     assert caught_up(other, index).query(CHAINS[0]).state_of("r0").in_flight == 2
     assert index.reader.unshare("a")
     assert caught_up(other, index).query(CHAINS[0]).state_of("r0").in_flight == 0
@@ -354,7 +354,7 @@ def test_a_router_alone_shares_once_a_heartbeat_and_fast_once_another_shares(
         loop = asyncio.create_task(channel._share_loop())
         alone = await drive(1.0)
         other = IndexReader(config, MODEL)
-        assert await other.ashare("other-router", 30.0, {"r0": (1, 1, 1)}, [], 5.0)
+        assert await other.ashare("other-router", 30.0, {"r0": Load(1, 1, 1)}, [], 5.0)
         deadline = time.monotonic() + 5
         while not router.mirror.state.shares and time.monotonic() < deadline:
             await asyncio.sleep(0.01)

@@ -41,10 +41,10 @@ from bench.harness.private_ray import PrivateRay
 from bench.harness.redis_server import LocalRedis, free_ports, quiet_ports
 from cluster.config import ClusterArgs
 from kvindex.config import IndexConfig
-from kvindex.pulls import PullConfig
 from kvindex.reader import IndexReader
-from kvindex.stored import StoreConfig
 from replica.checkpoints import checkpoint_for
+from replica.pull_config import PullConfig
+from replica.store.config import StoreConfig
 from router.config import routing_config
 
 

@@ -195,8 +195,7 @@ class OnlyToken:
 
 def test_the_grammar_mask_decides_the_token_and_logprobs_stay_raw() -> None:
     """A grammar's mask decides the token, and its logprob is still the raw log-softmax."""
-    s = seq(SamplingParams(temperature=0.0, logprobs=0))
-    s.grammar = OnlyToken(2)
+    s = replace(seq(SamplingParams(temperature=0.0, logprobs=0)), grammar=OnlyToken(2))
     (out,) = Sampler(seed=0).sample(LOGITS.unsqueeze(0), [s])
     assert out.token_id == 2
     assert out.logprob is not None
@@ -207,8 +206,7 @@ def test_a_greedy_row_with_a_grammar_is_masked_not_taken_from_the_plain_argmax()
     """Greedy rows without logprobs or processing take a batched argmax: never one with a
     grammar, whose mask must still decide the token."""
     assert int(LOGITS.argmax()) != 2
-    s = seq(SamplingParams(temperature=0.0))
-    s.grammar = OnlyToken(2)
+    s = replace(seq(SamplingParams(temperature=0.0)), grammar=OnlyToken(2))
     (out,) = Sampler(seed=0).sample(LOGITS.unsqueeze(0), [s])
     assert out.token_id == 2
 
@@ -244,15 +242,15 @@ def test_a_released_booking_leaves_no_load_behind() -> None:
     booking = core.routed(core.decide(request, states), "r1")
     assert booking.prefill_tokens == 100 and len(core.bookings) == 1
     (r1,) = [s for s in core.states(["r1"], None, []) if s.replica_id == "r1"]
-    assert (r1.in_flight, r1.booked_prefill_tokens) == (1, 100)
-    assert r1.booked_decode_blocks == request.decode_blocks
+    assert (r1.in_flight, r1.prefill_tokens) == (1, 100)
+    assert r1.decode_blocks == request.decode_blocks
     core.prefill_done("a")  # the prompt no longer loads it; the request still does
     (r1,) = core.states(["r1"], None, [])
-    assert (r1.in_flight, r1.booked_prefill_tokens) == (1, 0)
+    assert (r1.in_flight, r1.prefill_tokens) == (1, 0)
     assert core.release("a", "r2") is None  # a late callback of another attempt: kept
     assert core.release("a", "r1") == replace(booking, prefill_tokens=0)
     (r1,) = core.states(["r1"], None, [])
-    assert (r1.in_flight, r1.booked_prefill_tokens, r1.booked_decode_blocks) == (0, 0, 0)
+    assert (r1.in_flight, r1.prefill_tokens, r1.decode_blocks) == (0, 0, 0)
     assert len(core.bookings) == 0
 
 

@@ -12,7 +12,6 @@ from conftest import tiny
 
 from bench.harness.redis_server import LocalRedis
 from kvindex.config import IndexConfig
-from kvindex.pulls import PullConfig
 from kvindex.records import RoutingRequest
 from kvindex.writer import IndexWriter
 from replica.engine.engine import Engine
@@ -20,6 +19,7 @@ from replica.kv.transfer import PrefixExport, export_prefix, import_prefix
 from replica.messages import EngineRequest, PullRequest
 from replica.model.runner import build_engine
 from replica.pull import Puller
+from replica.pull_config import PullConfig
 from replica.sampling.params import SamplingParams
 
 BS = 16

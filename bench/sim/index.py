@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvindex.records import Booking, ReplicaState, ReplicaTable, leading_runs
+from kvindex.records import Booking, Load, ReplicaState, ReplicaTable, leading_runs
 from replica.engine.prefix_cache import CacheEvents
-from router.bookings import Bookings, Load
+from router.bookings import Bookings
 
 
 class SimIndex:
@@ -60,8 +60,8 @@ class SimIndex:
                 ReplicaState(
                     rid,
                     in_flight=load.in_flight,
-                    booked_prefill_tokens=load.prefill_tokens,
-                    booked_decode_blocks=load.decode_blocks,
+                    prefill_tokens=load.prefill_tokens,
+                    decode_blocks=load.decode_blocks,
                     cached_blocks=published[rid],
                     predicted_blocks=predicted[rid],
                     footprint_blocks=self.footprint.get(rid, 0),

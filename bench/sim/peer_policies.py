@@ -126,8 +126,8 @@ class DynamoKV(RoutingPolicy):
         bs = request.block_size
 
         def cost(r: ReplicaState) -> float:
-            raw = (r.booked_prefill_tokens + request.num_prompt_tokens) / bs
-            return max(0.0, raw - r.held_blocks) + r.booked_decode_blocks
+            raw = (r.prefill_tokens + request.num_prompt_tokens) / bs
+            return max(0.0, raw - r.held_blocks) + r.decode_blocks
 
         order = rendezvous_order(request.affinity_key, [r.replica_id for r in replicas])
         position = {rid: i for i, rid in enumerate(order)}

@@ -35,9 +35,9 @@ from bench.loadgen import RequestResult
 from bench.sim.cost_model import Clock, CostModel, CostRunner
 from bench.sim.index import SimIndex
 from bench.workloads import TraceRequest
-from kvindex.pulls import PullConfig, pull_source
+from kvindex.pulls import PullPrices, pull_source
 from kvindex.records import RoutingRequest, store_id
-from kvindex.stored import StoreConfig
+from kvindex.stored import StorePrices
 from replica.checkpoints import checkpoint_for
 from replica.config import EngineConfig
 from replica.engine.engine import Engine
@@ -94,8 +94,8 @@ class Simulation:
         max_ongoing_requests: int = 32,
         affinity_blocks: int = 4,
         predict_ttl_s: float = 5.0,
-        pull: PullConfig | None = None,
-        store: StoreConfig | None = None,
+        pull: PullPrices | None = None,
+        store: StorePrices | None = None,
         store_blocks: int = 0,
         replicas_per_node: int = 8,
     ) -> None:

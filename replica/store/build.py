@@ -8,7 +8,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from kvindex.config import IndexConfig
-from kvindex.stored import StoreConfig, store_namespace
+from replica.store.config import StoreConfig, store_namespace
 from replica.store.disk import DiskTier
 from replica.store.files import open_node_store, sweep
 from replica.store.layout import file_name, fingerprint

@@ -33,10 +33,10 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from kvindex.channel import BookingChannel, QueriedChannel, SharedChannel
 from kvindex.config import IndexConfig
-from kvindex.pulls import PullConfig
+from kvindex.pulls import PullPrices
 from kvindex.reader import IndexReader
 from kvindex.records import RoutingRequest
-from kvindex.stored import StoreConfig
+from kvindex.stored import StorePrices
 from router import routing_stats
 from router.config import ServedPolicy, make_policy, routing_config
 from router.core import Decision, RoutingCore
@@ -64,8 +64,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         cache = getattr(self, "_replica_queue_len_cache", None)
         if type(cache) is ReplicaQueueLengthCache:  # Serve's, readable as a column instead
             self._replica_queue_len_cache = QueueLengths.replacing(cache)
-        pulls = PullConfig.model_validate(pull or {})
-        stores = StoreConfig.model_validate(store or {"enabled": False})
+        pulls = PullPrices.model_validate(pull or {})
+        stores = StorePrices.model_validate(store or {"enabled": False})
         policy = make_policy(self.config, pulls, stores)
         self.core = RoutingCore(policy, RecentRoutes(), pulls, stores)
         self.index_config = index_config = IndexConfig.model_validate(index or {})
@@ -223,8 +223,6 @@ def _channel(
             index, routing.predict_ttl_s, routing.booking_ttl_s, core.acknowledged
         )
 
-    def totals() -> dict[str, tuple[int, int, int]]:
-        load = core.bookings.totals()
-        return {r: (v.prefill_tokens, v.in_flight, v.decode_blocks) for r, v in load.items()}
-
-    return SharedChannel(index, config, model_id, router_id, routing.predict_ttl_s, totals)
+    return SharedChannel(
+        index, config, model_id, router_id, routing.predict_ttl_s, core.bookings.totals
+    )

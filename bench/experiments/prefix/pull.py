@@ -38,11 +38,11 @@ from bench.report import spread
 from bench.sim.cost_model import CostModel
 from cluster.config import ClusterArgs
 from kvindex.config import IndexConfig
-from kvindex.pulls import PullConfig
 from replica.checkpoints import TINY_MODEL, checkpoint_for
 from replica.config import EngineConfig
 from replica.kv.transfer import PrefixExport, export_prefix, import_prefix
 from replica.model.runner import build_engine
+from replica.pull_config import PullConfig
 from replica.sampling.params import SamplingParams
 from router.config import routing_config
 

@@ -34,12 +34,12 @@ from bench.experiments.prefix.pull import first_token, system_prompt, two_replic
 from bench.harness.launcher import ServeCluster
 from bench.harness.redis_server import LocalRedis
 from bench.report import spread
-from kvindex.stored import StoreConfig
 from replica.checkpoints import TINY_MODEL, checkpoint_for
 from replica.config import EngineConfig
 from replica.engine.engine import Engine
 from replica.model.runner import build_engine
 from replica.sampling.params import SamplingParams
+from replica.store.config import StoreConfig
 from replica.store.layout import StoreGeometry, fingerprint
 from replica.store.node_store import NodeStore
 from replica.store.tier import StoreTier
