@@ -1,5 +1,9 @@
 """The index's Lua scripts: every index operation is one of these, one round trip.
 
+Longer than 300 lines because every operation's script is here, each beside the others it
+must agree with (a booking, its prefill-done mark and its release; a query and the shares
+it sums); the functions they share are in ``kvindex.lua``.
+
 Key layout and semantics are documented in ``kvindex.keys``. Every script that writes a
 replica's blocks first checks the caller's epoch, so a replaced replica cannot write.
 

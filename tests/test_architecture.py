@@ -3,7 +3,9 @@
 ``kvindex`` (the block hash and the index contract) is at the bottom; ``replica`` (one engine
 replica) and ``router`` (routing) each stand on it and never on each other; ``cluster`` (the
 serving application) wires both; ``bench`` (measurement, not in the wheel) may use any of
-them, and nothing uses it. Rooms stay small: no folder holds more than 12 modules.
+them, and nothing uses it. Folders are split by concept, not by a count of modules (the
+README's architecture table names each folder's); a file over 300 lines says at its top
+which one concept keeps it whole.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ ALLOWED = {
 PRODUCT = ("kvindex", "replica", "router", "cluster")
 MAX_FUNCTION_LINES = 60
 MAX_FILE_LINES = 300
-MAX_MODULES_PER_FOLDER = 12
 LONG_FILE_MARK = "Longer than 300 lines because"
 
 
@@ -198,17 +199,6 @@ def test_the_wheel_holds_only_what_serves() -> None:
     text = (REPO / "pyproject.toml").read_text()
     include = text.split("[tool.setuptools.packages.find]")[1].split("\n\n")[0]
     assert all(f'"{p}*"' in include for p in PRODUCT) and "bench" not in include
-
-
-def test_no_folder_is_a_room_of_30_files() -> None:
-    crowded = {
-        str(folder.relative_to(REPO)): n
-        for package in ALLOWED
-        for folder in [REPO / package, *(p for p in (REPO / package).rglob("*") if p.is_dir())]
-        if (n := len([p for p in folder.glob("*.py") if p.name != "__init__.py"]))
-        > MAX_MODULES_PER_FOLDER
-    }
-    assert crowded == {}
 
 
 @pytest.mark.parametrize(("module", "path"), list(source_files()), ids=lambda v: str(v))

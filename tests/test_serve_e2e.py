@@ -344,7 +344,7 @@ def assert_no_leaked_blocks(cluster: ServeCluster, timeout_s: float = 20.0) -> N
     while True:
         stats = cluster.stats()
         replicas = stats["replicas"]
-        views = index.query([]) or {}
+        views = list(index.query([]) or [])
         idle = (
             len(replicas) == 2
             and all(
@@ -355,7 +355,7 @@ def assert_no_leaked_blocks(cluster: ServeCluster, timeout_s: float = 20.0) -> N
                 for r in replicas.values()
             )
             and stats["bookings_in_flight"] == 0
-            and all(v.in_flight == v.prefill_tokens == 0 for v in views.values())
+            and all(v.in_flight == v.prefill_tokens == 0 for v in views)
         )
         if idle:
             return

@@ -157,7 +157,7 @@ def test_layouts_must_agree() -> None:
     holder = build_engine(tiny(num_blocks=64, dtype="bfloat16"))
     served(holder)
     result = import_prefix(
-        build_engine(tiny(num_blocks=64)), PROMPT, None, export_prefix(holder.kv, PROMPT, None)
+        build_engine(tiny(num_blocks=64)).kv, PROMPT, None, export_prefix(holder.kv, PROMPT, None)
     )
     assert result.imported == 0 and "layout" in result.rejected[0]
 

@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from ray.serve import context as serve_context
+from ray.serve.request_router import PendingRequest, RunningReplica
 
 
 class LinkedRouter(Protocol):
@@ -83,6 +84,33 @@ class RouterLink:
 
 
 LINK = RouterLink()
+
+
+class ServeLinked:
+    """What every request router the ingress talks to does, written once: it attaches
+    itself to ``LINK`` when Serve makes it (``link()``, from ``initialize_state``), and at
+    each decision records the loop its decisions run on, where the ingress's calls into it
+    must run. A subclass (listed before Serve's router class) ranks in
+    ``rank_candidates``."""
+
+    loop: asyncio.AbstractEventLoop | None = None
+
+    def link(self) -> None:
+        self.loop = None
+        LINK.attach(self)  # type: ignore[arg-type]  # subclasses are LinkedRouters
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        self.loop = asyncio.get_running_loop()
+        return await self.rank_candidates(candidate_replicas, pending_request)
+
+    async def rank_candidates(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[list[RunningReplica]]:
+        raise NotImplementedError
 
 
 @contextlib.contextmanager

@@ -21,7 +21,6 @@ Serve pickles this module by value: state shared with the ingress is reached as
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -48,7 +47,7 @@ from router.serve.ranking import Ranked, pull_target, routing_request
 log = logging.getLogger("ray.serve")
 
 
-class PrefixAwareRequestRouter(RequestRouter):
+class PrefixAwareRequestRouter(link.ServeLinked, RequestRouter):
     """Ranks engine replicas with a prefix-aware policy (no FIFO mixin: a choice made for a
     request must serve that request, not whichever request is oldest)."""
 
@@ -82,15 +81,11 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._candidate_ids: list[str] = []
         self._decisions: dict[str, Decision] = {}  # request -> its decision, until routed
         self._requests: dict[str, str] = {}  # Serve's internal request id -> ours
-        self.loop: asyncio.AbstractEventLoop | None = None
-        link.LINK.attach(self)
+        self.link()
 
-    async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
+    async def rank_candidates(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
     ) -> list[list[RunningReplica]]:
-        self.loop = asyncio.get_running_loop()  # where the ingress's calls must run
         if not candidate_replicas:
             return []
         target = pull_target(pending_request)
