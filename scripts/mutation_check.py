@@ -31,14 +31,14 @@ PREEMPT = (
 RULES = "test_rules.py::"
 # (what the mutation breaks, file, text replaced, its replacement, the test that must fail)
 MUTATIONS = [
-    ("lookup without the parent check", "replica/engine/prefix_cache.py",
+    ("lookup without the parent check", "replica/engine/blocks/prefix_cache.py",
      "and e.parent in level\n", "\n", PARENT),
     ("preemption takes the oldest", "replica/engine/scheduler.py",
      NEWEST, NEWEST.replace("max", "min"), PREEMPT),
     ("preemption takes the one needing the block", "replica/engine/scheduler.py",
      NEWEST, "victim = seq", PREEMPT),
     ("cached blocks not available (preempt before evicting)",
-     "replica/engine/block_allocator.py",
+     "replica/engine/blocks/allocator.py",
      "return len(self._free) + self.num_cached", "return len(self._free)", PREEMPT),
     ("temperature ignored", "replica/sampling/sampler.py",
      "torch.softmax(logits / seq.params.temperature, dim=-1)", "torch.softmax(logits, dim=-1)",
@@ -69,7 +69,7 @@ MUTATIONS = [
     ("the index's breaker trips after 1 failure, not 3", "kvindex/reader.py",
      "TRIP_AFTER_FAILURES = 3", "TRIP_AFTER_FAILURES = 1",
      RULES + "test_the_index_breaker_trips_after_three_failed_queries_in_a_row"),
-    ("an evicted block keeps its generation", "replica/engine/block_allocator.py",
+    ("an evicted block keeps its generation", "replica/engine/blocks/allocator.py",
      "        self.generations[block] += 1\n", "",
      "test_shared_pool.py::test_a_block_evicted_after_the_export_ends_the_import_there"),
     ("a block pulled by reference is not checked after its copy",
@@ -95,7 +95,7 @@ MUTATIONS = [
     ("the admission cap ignores the engine replicas Serve runs", "cluster/ingress.py",
      "        if count and count != self._count:", "        if False:",
      "test_admission.py::test_the_cap_follows_the_engine_replicas_serve_runs"),
-    ("a choice forks from a parent already released", "replica/engine/block_manager.py",
+    ("a choice forks from a parent already released", "replica/engine/blocks/manager.py",
      "        if not parent.block_table:  # released", "        if False:  # released",
      "test_block_manager.py::"
      "test_a_released_sequence_holds_nothing_and_a_fork_of_it_is_refused"),
@@ -114,17 +114,17 @@ MUTATIONS = [
      "            pass",
      "test_store_pricing.py::"
      "test_the_router_prefers_a_replica_that_restores_over_one_that_recomputes"),
-    ("a hit block is not protected from one-off prompts", "replica/engine/block_allocator.py",
+    ("a hit block is not protected from one-off prompts", "replica/engine/blocks/allocator.py",
      "        self._hit[block] = 1\n", "        pass\n",
      "test_eviction.py::test_a_prompt_seen_once_is_evicted_before_a_prefix_that_was_hit"),
-    ("protected blocks beyond the cap demoted newest first", "replica/engine/block_allocator.py",
+    ("protected blocks beyond the cap demoted newest first", "replica/engine/blocks/allocator.py",
      "self._protected.popitem(last=False)", "self._protected.popitem(last=True)",
      "test_eviction.py::"
      "test_protected_blocks_beyond_the_cap_go_back_on_probation_least_recent_first"),
     ("a queued request's prefix is not made the most recent", "replica/engine/engine.py",
      "        self.block_manager.expect(seq)", "        pass",
      "test_engine.py::test_a_queued_request_still_hits_the_prefix_it_was_sent_for[True]"),
-    ("a queued prefix is touched parents first", "replica/engine/block_allocator.py",
+    ("a queued prefix is touched parents first", "replica/engine/blocks/allocator.py",
      "        for block in reversed(chain):", "        for block in chain:",
      "test_eviction.py::"
      "test_expecting_a_prefix_moves_only_cached_blocks_and_changes_no_flag"),

@@ -393,7 +393,7 @@ def test_a_queued_request_still_hits_the_prefix_it_was_sent_for(
     (``BlockManager.expect``), so the prefill ahead evicts the others. Without that, the
     one-off prompt cached after it would outlive it (the check that this test can fail)."""
     if not expect:
-        monkeypatch.setattr("replica.engine.block_manager.BlockManager.expect", lambda *a: 0)
+        monkeypatch.setattr("replica.engine.blocks.manager.BlockManager.expect", lambda *a: 0)
     engine = build_engine(tiny(num_blocks=8, block_size=16, max_num_seqs=4))
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     tenant = [256] + list(range(31))  # two full blocks

@@ -23,7 +23,7 @@ from kvindex.reader import TRIP_AFTER_FAILURES, IndexReader
 from kvindex.records import Booking, ReplicaState
 from kvindex.scripts import QUERY_FIELDS
 from kvindex.writer import IndexWriter, StaleEpochError
-from replica.engine.prefix_cache import CacheEvents
+from replica.engine.blocks.prefix_cache import CacheEvents
 from replica.model.runner import build_engine
 from replica.publisher import IndexPublisher
 from replica.sampling.params import SamplingParams

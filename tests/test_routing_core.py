@@ -29,7 +29,7 @@ from kvindex.config import IndexConfig
 from kvindex.hashing import BlockHasher
 from kvindex.records import Booking, ReplicaTable, RoutingRequest
 from kvindex.writer import IndexWriter
-from replica.engine.prefix_cache import CacheEvents
+from replica.engine.blocks.prefix_cache import CacheEvents
 from router import routing_stats
 from router.config import make_policy, routing_config
 from router.core import Decision, RoutingCore

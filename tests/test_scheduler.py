@@ -8,7 +8,7 @@ import pytest
 
 import replica.engine.scheduler
 from kvindex.hashing import BlockHasher
-from replica.engine.block_manager import BlockManager
+from replica.engine.blocks.manager import BlockManager
 from replica.engine.scheduler import Scheduler
 from replica.engine.sequence import Sequence, SequenceStatus
 from replica.engine.step import ScheduledBatch

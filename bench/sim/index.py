@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvindex.records import Booking, Load, ReplicaState, ReplicaTable, leading_runs
-from replica.engine.prefix_cache import CacheEvents
+from replica.engine.blocks.prefix_cache import CacheEvents
 from router.bookings import Bookings
 
 

@@ -23,12 +23,12 @@ import torch
 
 from replica.checkpoints import checkpoint_for
 from replica.config import EngineConfig
-from replica.engine.audit import check_block_accounting
-from replica.engine.block_manager import BlockManager
+from replica.engine.blocks.audit import check_block_accounting
+from replica.engine.blocks.manager import BlockManager
+from replica.engine.blocks.prefix_cache import CacheEvents
 from replica.engine.choices import fork_choices
 from replica.engine.faces import KVHandle, KVPool, SecondTier
 from replica.engine.limits import check_request
-from replica.engine.prefix_cache import CacheEvents
 from replica.engine.scheduler import Scheduler
 from replica.engine.sequence import Sequence, SequenceStatus
 from replica.engine.stats import EngineMetrics, EngineStats
@@ -135,7 +135,7 @@ class Engine:
         seq.num_prompt_tokens = len(tokens)
         seq.grammar = grammar
         if self.store is not None and params.prompt_logprobs is None:
-            self.store.restore(self, seq)
+            self.store.restore(self.kv, seq)
         self.block_manager.expect(seq)  # what it will hit outlives the prefills queued ahead
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -171,7 +171,7 @@ class Engine:
             self.metrics.steps += 1
         self._emit_events()
         if self.store is not None:  # what this step released, copied behind it
-            self.store.after_step(self)
+            self.store.after_step(self.kv)
         return outputs
 
     def generate(
@@ -211,7 +211,9 @@ class Engine:
 
     def attach_store(self, store: SecondTier) -> None:
         """Use ``store`` as this engine's second cache tier (before the first request)."""
-        store.attach(self)
+        if self.kv is None or self.has_unfinished_requests():
+            raise ValueError("a store needs a KV pool and an engine that has served nothing")
+        store.attach(self.kv)
         self.store = store
 
     def subscribe(self, listener: Callable[[CacheEvents], None]) -> None:
@@ -237,7 +239,7 @@ class Engine:
 
     def check_invariants(self, idle: bool = False) -> None:
         """Raise ``AssertionError`` unless the block accounting adds up (see
-        ``replica.engine.audit``); with ``idle`` (no request left), also unless no block is
+        ``replica.engine.blocks.audit``); with ``idle`` (no request left), also unless no block is
         in use. Tests call this after every step; replicas whenever idle."""
         sched = self.scheduler
         check_block_accounting(self.block_manager, sched.running, sched.waiting)

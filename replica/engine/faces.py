@@ -19,12 +19,11 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from replica.engine.block_allocator import BlockAllocator
-from replica.engine.block_manager import BlockManager
-from replica.engine.prefix_cache import PrefixCache
+from replica.engine.blocks.allocator import BlockAllocator
+from replica.engine.blocks.manager import BlockManager
+from replica.engine.blocks.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
-    from replica.engine.engine import Engine
     from replica.engine.sequence import Sequence as Seq
 
 
@@ -80,12 +79,15 @@ class KVHandle:
 
 
 class SecondTier(Protocol):
-    def attach(self, engine: Engine) -> None:
-        """Become ``engine``'s tier (before its first request)."""
+    """A second cache tier as the engine uses it; it sees the engine's KV only through
+    ``KVHandle``."""
 
-    def after_step(self, engine: Engine) -> None:
+    def attach(self, kv: KVHandle) -> None:
+        """Become the tier of ``kv``'s engine (before its first request)."""
+
+    def after_step(self, kv: KVHandle) -> None:
         """The step's end: take over the blocks it released."""
 
-    def restore(self, engine: Engine, seq: Seq) -> int:
+    def restore(self, kv: KVHandle, seq: Seq) -> int:
         """Import what the tier keeps of ``seq``'s prompt beyond the local hit; how many
         blocks (on the engine's thread, when ``seq`` is added)."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from replica.engine.block_manager import BlockManager
+from replica.engine.blocks.manager import BlockManager
 from replica.engine.sequence import Sequence, SequenceStatus
 from replica.engine.step import ScheduledBatch
 

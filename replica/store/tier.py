@@ -35,14 +35,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from replica.engine.blocks.prefix_cache import CacheEvents
 from replica.engine.faces import KVHandle
-from replica.engine.prefix_cache import CacheEvents
 from replica.kv.transfer import ExportedBlock, PrefixExport, import_prefix
 from replica.store.disk import DiskBlock, DiskTier
 from replica.store.node_store import NodeStore
 
 if TYPE_CHECKING:
-    from replica.engine.engine import Engine
     from replica.engine.sequence import Sequence as Sequence_
 
 log = logging.getLogger("ray.serve")
@@ -100,17 +99,15 @@ class StoreTier:
 
     # -- spill ----------------------------------------------------------------------------
 
-    def attach(self, engine: Engine) -> None:
-        """Be ``engine``'s tier: hear of every block its pool releases to the cache."""
-        if engine.kv is None or engine.has_unfinished_requests():
-            raise ValueError("a store needs a KV pool and an engine that has served nothing")
-        engine.kv.on_release(self._released.append)
+    def attach(self, kv: KVHandle) -> None:
+        """Be the tier of ``kv``'s engine: hear of every block its pool releases to the
+        cache."""
+        kv.on_release(self._released.append)
 
-    def after_step(self, engine: Engine) -> None:
+    def after_step(self, kv: KVHandle) -> None:
         """Hand the blocks released in the step to the spiller (the step's end)."""
-        if not self._released or engine.kv is None:
+        if not self._released:
             return
-        kv = engine.kv
         items = released_blocks(kv, self._released)
         self._released.clear()
         self.spill(items, kv.rows(), kv.allocator.generations)
@@ -225,14 +222,13 @@ class StoreTier:
 
     # -- restore --------------------------------------------------------------------------
 
-    def restore(self, engine: Engine, seq: Sequence_) -> int:
+    def restore(self, kv: KVHandle, seq: Sequence_) -> int:
         """Import the stored blocks of ``seq``'s tokens beyond the engine's local hit (store,
         then disk); how many blocks it imported. Runs on the engine's thread, when ``seq``
         is added (its block hashes are computed here once, for admission too)."""
-        kv = engine.kv
-        bs = engine.block_manager.block_size
+        bs = kv.block_size
         usable = (seq.num_tokens - 1) // bs
-        if kv is None or kv.cache is None or usable <= 0:
+        if kv.cache is None or usable <= 0:
             return 0
         start = time.perf_counter()
         prompt, salt = seq.token_ids[: usable * bs], seq.cache_salt

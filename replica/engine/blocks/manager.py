@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvindex.hashing import BlockHasher
-from replica.engine.block_allocator import BlockAllocator
-from replica.engine.prefix_cache import PrefixCache
+from replica.engine.blocks.allocator import BlockAllocator
+from replica.engine.blocks.prefix_cache import PrefixCache
 from replica.engine.sequence import Sequence
 
 
