@@ -41,7 +41,7 @@ MUTATIONS = [
      "replica/engine/blocks/allocator.py",
      "return len(self._free) + self.num_cached", "return len(self._free)", PREEMPT),
     ("temperature ignored", "replica/sampling/sampler.py",
-     "torch.softmax(logits / seq.params.temperature, dim=-1)", "torch.softmax(logits, dim=-1)",
+     "torch.softmax(logits / row.params.temperature, dim=-1)", "torch.softmax(logits, dim=-1)",
      RULES + "test_temperature_divides_the_logits"),
     ("a presence penalty alone skips processing", "replica/sampling/logits_processing.py",
      "        or params.presence_penalty\n", "",
@@ -92,7 +92,7 @@ MUTATIONS = [
      "        self.shared[key] = (1 << holder) | bit\n",
      "test_holder_table.py::"
      "test_the_table_holds_what_a_dict_of_sets_holds_after_random_changes"),
-    ("the admission cap ignores the engine replicas Serve runs", "cluster/ingress.py",
+    ("the admission cap ignores the engine replicas Serve runs", "cluster/admission.py",
      "        if count and count != self._count:", "        if False:",
      "test_admission.py::test_the_cap_follows_the_engine_replicas_serve_runs"),
     ("a choice forks from a parent already released", "replica/engine/blocks/manager.py",
