@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.loadgen import RequestResult
-from replica.engine.stats import percentile
+from kvindex.measure import percentile
 
 
 def spread(values: list[float]) -> dict[str, float] | None:

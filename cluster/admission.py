@@ -22,7 +22,7 @@ class Admission:
     cap at today's count would refuse the load that should scale it up).
 
     ``others`` tells how many requests the other ingress replicas have in the engines (their
-    routers' shared bookings, from this router's mirror of the index: ``router.link``), so
+    routers' shared bookings, from this router's mirror of the index: ``router.serve.link``), so
     the cap is one for the cluster; while it cannot tell (None: no mirror, or not synced),
     each ingress takes an even share of the cap (the proxy spreads requests over them).
     """

@@ -34,11 +34,11 @@ def request_router_config(args: ClusterArgs) -> RequestRouterConfig:
         "routing": routing.model_dump(),
         "model_id": args.engine.model_id,
         "index": args.index.model_dump(),
-        "pull": args.pull.model_dump(),
-        "store": args.store.model_dump(),
+        "pull": args.pull.prices().model_dump(),  # the router's part of each section
+        "store": args.store.prices().model_dump(),
     }
     return RequestRouterConfig(
-        request_router_class="router.serve_router:PrefixAwareRequestRouter",
+        request_router_class="router.serve.router:PrefixAwareRequestRouter",
         request_router_kwargs=kwargs,
         **period,
     )

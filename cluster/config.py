@@ -10,9 +10,10 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvindex.config import IndexConfig
-from kvindex.pulls import PullConfig
-from kvindex.stored import StoreConfig
-from replica.config import EngineConfig, ReplicaArgs
+from replica.args import ReplicaArgs
+from replica.config import EngineConfig
+from replica.pull_config import PullConfig
+from replica.store.config import StoreConfig
 from router.config import PrefillCostRouting, RoutingConfig
 
 

@@ -16,33 +16,17 @@ not resumed mid-stream (its choices would each need a continuation): it fails cl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 import ray
-from ray.serve import context as serve_context
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from cluster.api import metrics as api_metrics
 from cluster.api.errors import engine_error, replica_failed
-from replica.messages import EngineRequest, InvalidRequestError, RequestFailedError, RequestOutput
-
-
-@contextlib.contextmanager
-def _call_id(call_id: str) -> Iterator[None]:
-    """Serve's request context with ``call_id`` as its internal request id, for one call.
-
-    Serve gives every call made while serving an HTTP request that request's internal id, and
-    its request router keys pending calls by that id: two calls at once (a batch of prompts)
-    would take each other's place and one would never be sent. Each call gets its own.
-    """
-    current = serve_context._get_serve_request_context()
-    own = replace(current, _internal_request_id=call_id)
-    token = serve_context._serve_request_context.set(own)
-    try:
-        yield
-    finally:
-        serve_context._serve_request_context.reset(token)
+from replica.errors import InvalidRequestError, RequestFailedError
+from replica.messages import EngineRequest, RequestOutput
+from router.serve import link
 
 
 class EngineStream:
@@ -99,7 +83,7 @@ class EngineStream:
                 self._stream = self._send(self._continuation())
 
     def _send(self, request: EngineRequest) -> DeploymentResponseGenerator:
-        with _call_id(f"{self.request.request_id}.{self.resumes}"):
+        with link.call_id(f"{self.request.request_id}.{self.resumes}"):
             return self._engine.generate.remote(request)
 
     def cancel(self) -> None:

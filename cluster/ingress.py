@@ -34,7 +34,7 @@ from cluster.request_builder import RequestBuilder
 from kvindex.reader import IndexReader
 from replica.checkpoints import checkpoint_for
 from replica.messages import EngineRequest, RequestOutput
-from router import link
+from router.serve import link
 
 app = FastAPI(title="prefix-serve", description="OpenAI-compatible, prefix-aware serving")
 app.middleware("http")(auth.require_api_key)

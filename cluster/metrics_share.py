@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 
@@ -27,6 +26,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvindex import keys
+from kvindex.background import Background
 from kvindex.config import IndexConfig
 
 log = logging.getLogger("ray.serve")
@@ -40,8 +40,10 @@ def share_key(namespace: str, ingress_id: str) -> str:
     return f"{namespace}:im:{ingress_id}"
 
 
-class MetricsShare:
+class MetricsShare(Background):
     """One ingress's side: a thread publishing its text, and a read of the others'."""
+
+    thread_name = "metrics-share"
 
     def __init__(
         self,
@@ -50,6 +52,7 @@ class MetricsShare:
         text: Callable[[], bytes],
         ingress_id: str | None = None,
     ) -> None:
+        super().__init__()
         self.ingress_id = ingress_id or uuid.uuid4().hex[:12]
         self.namespace = keys.namespace(config.cluster, model_id)
         self.text = text
@@ -58,19 +61,10 @@ class MetricsShare:
             socket_timeout=config.timeout_s,
             socket_connect_timeout=config.connect_timeout_s,
         )
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> MetricsShare:
-        self._thread = threading.Thread(target=self._run, name="metrics-share", daemon=True)
-        self._thread.start()
-        return self
 
     def stop(self) -> None:
         """Stop publishing and leave the others' scrapes at once (not a TTL later)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5)
+        self._halt()
         with contextlib.suppress(redis.RedisError, OSError):  # else it expires
             self._redis.delete(share_key(self.namespace, self.ingress_id))
         self._redis.close()

@@ -16,7 +16,8 @@
     {ns}:pr:<replica>      ZSET   the same predictions by replica (for a purge to find them)
     {ns}:bk:<replica>      ZSET   requests routed there and not finished -> expiry
     {ns}:bt:<replica>      HASH   request -> "prefill tokens:decode blocks" it was booked with
-    {ns}:loads             HASH   "<replica>:prefill" / ":active" / ":decode": the sums of
+    {ns}:loads             HASH   "<replica>:<field>" for each of ``kvindex.records.LOAD_FIELDS``
+                                  (prefill_tokens, in_flight, decode_blocks): the sums of
                                   each replica's bookings
     {ns}:reaping           STRING set while one caller reaps expired replicas
     {ns}:ev                STREAM the log of every change a query would see, entry ids
@@ -26,7 +27,7 @@
                                   (a restart) starts a log of another name
     {ns}:routers           HASH   router id -> when its shared bookings lapse (ms)
     {ns}:rl:<router>       STRING a mirroring router's shared bookings, "expiry|replica:
-                                  prefill:active:decode,...", with that TTL
+                                  prefill_tokens:in_flight:decode_blocks,...", with that TTL
 
 The Lua scripts (``kvindex.scripts``) build these names themselves; the few keys Python reads
 directly are built here. Only hashes are stored, never tokens or text; with a cluster secret

@@ -12,8 +12,9 @@ EVENTS_MAX_LEN = 100_000
 # fresh Redis starts a new one (its first event stamps it with the server's time), so a
 # follower notices a restart even before the sequence numbers say so. Events (``o``):
 # ``reg`` (a = epoch), ``dereg``, ``purge`` (everything of the replica), ``add``/``rem``
-# (a = hashes, 16 bytes each, concatenated), ``load`` (a = "prefill:active:decode", the
-# replica's totals after the change: idempotent), ``pred`` (a = expiry ms, b = hashes).
+# (a = hashes, 16 bytes each, concatenated), ``load`` (a = the replica's totals after the
+# change, "prefill_tokens:in_flight:decode_blocks", ``kvindex.records.LOAD_FIELDS``'
+# order: idempotent), ``pred`` (a = expiry ms, b = hashes).
 EMIT = """
 local function emit(ns, op, rid, a, b)
   local seq = redis.call('INCR', ns .. ':evseq')
@@ -26,8 +27,8 @@ local function emit(ns, op, rid, a, b)
   return seq
 end
 local function emit_load(ns, rid)
-  local v = redis.call('HMGET', ns .. ':loads', rid .. ':prefill', rid .. ':active',
-    rid .. ':decode')
+  local v = redis.call('HMGET', ns .. ':loads', rid .. ':prefill_tokens', rid .. ':in_flight',
+    rid .. ':decode_blocks')
   return emit(ns, 'load', rid, (v[1] or 0) .. ':' .. (v[2] or 0) .. ':' .. (v[3] or 0))
 end
 """.replace("{max_len}", str(EVENTS_MAX_LEN))
@@ -46,7 +47,8 @@ local function purge(ns, rid)
   end
   redis.call('DEL', rkey, pr, ns .. ':stats:' .. rid, ns .. ':bk:' .. rid, ns .. ':bt:' .. rid)
   redis.call('HDEL', ns .. ':fp', rid)
-  redis.call('HDEL', ns .. ':loads', rid .. ':prefill', rid .. ':active', rid .. ':decode')
+  redis.call('HDEL', ns .. ':loads', rid .. ':prefill_tokens', rid .. ':in_flight',
+    rid .. ':decode_blocks')
   emit(ns, 'purge', rid)
   return #blocks
 end
@@ -62,7 +64,8 @@ end
 """
 
 # Shared: add to a replica's totals in the one loads hash (Redis refuses "-0" as an
-# integer: zero is skipped), and take a booking off them (``fields`` = "prefill:decode").
+# integer: zero is skipped), and take a booking off them (``fields`` = "prefill tokens:decode
+# blocks").
 UNBOOK = """
 local function add(ns, rep, field, n)
   if n ~= 0 then
@@ -74,9 +77,9 @@ local function unbook(ns, rep, req)
   local fields = redis.call('HGET', bt, req)
   if not fields then return 0 end
   local sep = string.find(fields, ':')
-  add(ns, rep, 'prefill', -tonumber(string.sub(fields, 1, sep - 1)))
-  add(ns, rep, 'decode', -tonumber(string.sub(fields, sep + 1)))
-  add(ns, rep, 'active', -1)
+  add(ns, rep, 'prefill_tokens', -tonumber(string.sub(fields, 1, sep - 1)))
+  add(ns, rep, 'decode_blocks', -tonumber(string.sub(fields, sep + 1)))
+  add(ns, rep, 'in_flight', -1)
   redis.call('HDEL', bt, req)
   redis.call('ZREM', ns .. ':bk:' .. rep, req)
   return 1

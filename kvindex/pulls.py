@@ -26,25 +26,20 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvindex.records import ReplicaState, ReplicaTable, RoutingRequest, is_store
 
 
-class PullConfig(BaseModel):
-    """When a replica pulls a prefix from another instead of recomputing it (``pull:`` in
-    the Serve config; the router prices pulls with the same section)."""
+class PullPrices(BaseModel):
+    """What a router needs of pulls (``pull:`` in the Serve config): whether replicas pull,
+    from how many missing blocks, and the price. The replica's own settings extend it
+    (``replica.pull_config.PullConfig``); the router is handed only these."""
 
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = False
     min_blocks: int = Field(4, ge=1, description="pull only when this many blocks are missing")
-    timeout_s: float = Field(2.0, gt=0, description="a pull not back by then is given up")
     token_cost: float = Field(
         0.046, ge=0, le=1, description="the router's price of a pulled token, in prefill tokens"
     )
     call_cost_tokens: int = Field(
         31, ge=0, description="the router's price of one pull's calls, in prefill tokens"
-    )
-    shared_memory: bool = Field(
-        True,
-        description="same node: copy blocks straight from the holder's pool (shared memory); "
-        "off: as bytes through Ray's object store, as between nodes",
     )
 
 
@@ -104,12 +99,12 @@ def pulled_token_column(
     return np.where(missing >= min_blocks, missing * request.block_size, 0)
 
 
-def pull_price(config: PullConfig, tokens: int) -> int:
+def pull_price(config: PullPrices, tokens: int) -> int:
     """What pulling ``tokens`` costs, in prefill tokens (0 for no pull)."""
     return int(pull_prices(config, np.array([tokens], np.int64))[0])
 
 
-def pull_prices(config: PullConfig, tokens: np.ndarray) -> np.ndarray:
+def pull_prices(config: PullPrices, tokens: np.ndarray) -> np.ndarray:
     """What pulling each count of ``tokens`` costs: the call's price plus each token's,
     rounded up (0 for no pull). The one price rule; ``pull_price`` is it for one count."""
     price = config.call_cost_tokens + np.ceil(tokens * config.token_cost).astype(np.int64)

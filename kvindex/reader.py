@@ -27,11 +27,9 @@ from redis.retry import Retry
 
 from kvindex import keys, scripts
 from kvindex.config import IndexConfig
-from kvindex.records import Booking, ReplicaState, is_store
+from kvindex.records import Booking, Load, ReplicaState, ReplicaTable, is_store
 
 TRIP_AFTER_FAILURES = 3  # failed queries in a row before routers stop asking for a while
-
-Answer = Mapping[str, ReplicaState]  # live replica id -> what it holds of the chain, its load
 
 
 @dataclass
@@ -77,7 +75,7 @@ class IndexReader:
         self._failures_in_a_row = 0
         self._lock = threading.Lock()
 
-    def query(self, block_hashes: Sequence[bytes]) -> Answer | None:
+    def query(self, block_hashes: Sequence[bytes]) -> ReplicaTable | None:
         """For every live replica, what it holds of the chain, its footprint and bookings."""
         if not self._may_ask():
             return None
@@ -90,9 +88,9 @@ class IndexReader:
     def cached(self, block_hashes: Sequence[bytes]) -> dict[str, int] | None:
         """For every live replica, how many leading blocks of the chain it has published."""
         answer = self.query(block_hashes)
-        return None if answer is None else {r: s.cached_blocks or 0 for r, s in answer.items()}
+        return None if answer is None else {s.replica_id: s.cached_blocks or 0 for s in answer}
 
-    async def aquery(self, block_hashes: Sequence[bytes]) -> Answer | None:
+    async def aquery(self, block_hashes: Sequence[bytes]) -> ReplicaTable | None:
         """``query`` for an event loop (the request router's)."""
         if not self._may_ask():
             return None
@@ -120,14 +118,18 @@ class IndexReader:
         self,
         router_id: str,
         ttl_s: float,
-        totals: Mapping[str, tuple[int, int, int]],
+        totals: Mapping[str, Load],
         predictions: Sequence[tuple[str, Sequence[bytes]]],
         predict_ttl_s: float,
     ) -> int:
         """A mirroring router's bookings (its totals per replica: prefill tokens, requests,
         decode blocks) and the prompts it sent where since its last share; the log's
         sequence number of the last event, 0 if Redis did not take it."""
-        body = ",".join(f"{rid}:{p}:{a}:{d}" for rid, (p, a, d) in totals.items() if p or a or d)
+        body = ",".join(
+            f"{rid}:{v.prefill_tokens}:{v.in_flight}:{v.decode_blocks}"
+            for rid, v in totals.items()
+            if v != Load()
+        )
         args: list[object] = [router_id, int(ttl_s * 1000), body, int(predict_ttl_s * 1000)]
         for rid, hashes in predictions:
             args += [rid, b"".join(hashes)]
@@ -213,18 +215,18 @@ class IndexReader:
                 self._failures_in_a_row = 0
         return None
 
-    def _answered(self, flat: list) -> Answer:
+    def _answered(self, flat: list) -> ReplicaTable:
         with self._lock:
             self._failures_in_a_row = 0
         return decode_answer(flat)
 
 
-def decode_answer(flat: list) -> Answer:
+def decode_answer(flat: list) -> ReplicaTable:
     """QUERY's flat reply: per replica its id, then ``scripts.QUERY_FIELDS`` in order."""
     width = len(scripts.QUERY_FIELDS) + 1
-    answer = {}
+    states = []
     for i in range(0, len(flat), width):
         rid = flat[i].decode()
         values = (int(v) for v in flat[i + 1 : i + width])
-        answer[rid] = ReplicaState(rid, **dict(zip(scripts.QUERY_FIELDS, values, strict=True)))
-    return answer
+        states.append(ReplicaState(rid, **dict(zip(scripts.QUERY_FIELDS, values, strict=True))))
+    return ReplicaTable.of(states)

@@ -38,6 +38,35 @@ class RoutingRequest:
 
 
 @dataclass(frozen=True)
+class Load:
+    """The load booked on one replica, spelled the same from Redis (``kvindex.scripts``'
+    ``loads`` hash fields, ``<replica>:<field>``) to the mirror, the shares and
+    ``ReplicaState``: the uncached prompt tokens booked and not yet computed, the requests
+    booked and not finished, the KV blocks those requests hold or will."""
+
+    prefill_tokens: int = 0
+    in_flight: int = 0
+    decode_blocks: int = 0
+
+    def __add__(self, other: Load) -> Load:
+        return Load(
+            self.prefill_tokens + other.prefill_tokens,
+            self.in_flight + other.in_flight,
+            self.decode_blocks + other.decode_blocks,
+        )
+
+    def __sub__(self, other: Load) -> Load:
+        return Load(
+            self.prefill_tokens - other.prefill_tokens,
+            self.in_flight - other.in_flight,
+            self.decode_blocks - other.decode_blocks,
+        )
+
+
+LOAD_FIELDS = tuple(f.name for f in fields(Load))  # the triple's one order, everywhere
+
+
+@dataclass(frozen=True)
 class ReplicaState:
     """A live replica as a router sees it now, for one request.
 
@@ -48,9 +77,9 @@ class ReplicaState:
     """
 
     replica_id: str
-    in_flight: int = 0  # requests booked on it and not finished
-    booked_prefill_tokens: int = 0  # uncached prompt tokens booked on it, not yet computed
-    booked_decode_blocks: int = 0  # KV blocks its booked requests hold or will
+    in_flight: int = 0  # requests booked on it and not finished (``Load``)
+    prefill_tokens: int = 0  # uncached prompt tokens booked on it, not yet computed
+    decode_blocks: int = 0  # KV blocks its booked requests hold or will
     cached_blocks: int | None = None  # leading blocks of the chain it has published
     predicted_blocks: int = 0  # leading blocks recent decisions booked to it (short TTL)
     footprint_blocks: int = 0  # distinct blocks it has published (its share of the cache)
@@ -115,7 +144,9 @@ class ReplicaTable(Sequence[ReplicaState]):
     rank a thousand replicas without a thousand objects; also a sequence of ``ReplicaState``
     for policies that read states one by one.
 
-    Built from columns (the index mirror's answer) or from states (lazily turned into
+    It is the one shape of the index's answer (Redis's, a mirror's, the simulator's: every
+    live entry's state for one chain, node stores' entries among them) and of what a policy
+    ranks. Built from columns (the index mirror's answer) or from states (lazily turned into
     columns, and back only where asked). ``known`` False: the index did not answer (every
     ``cached_blocks`` is None). ``id_hashes`` (optional) are the ids' rendezvous hashes
     (``kvindex.hashing.id_hash``), carried so a ranking need not hash every id again.
@@ -210,6 +241,15 @@ class ReplicaTable(Sequence[ReplicaState]):
             self._id_array = np.array(self.ids, dtype=object)
         return self._id_array
 
+    def as_dict(self) -> dict[str, ReplicaState]:
+        """Entry id -> state (two answers hold the same when these are equal)."""
+        return {state.replica_id: state for state in self}
+
+    def state_of(self, rid: str) -> ReplicaState | None:
+        """``rid``'s state (None: not in the table)."""
+        k = self.position(rid)
+        return None if k is None else self[k]
+
     def position(self, rid: str) -> int | None:
         """Where ``rid`` is (None: not in the table), without building ``positions``."""
         if self._positions is not None:
@@ -245,20 +285,3 @@ class ReplicaTable(Sequence[ReplicaState]):
         if not self.known:
             values["cached_blocks"] = None
         return ReplicaState(self.ids[k], **values)
-
-
-class TableAnswer(Mapping[str, ReplicaState]):
-    """An index answer (replica id -> state) held as a ``ReplicaTable``: what a mirror
-    answers, equal to the dict ``IndexReader.query`` answers on the same state."""
-
-    def __init__(self, table: ReplicaTable) -> None:
-        self.table = table
-
-    def __getitem__(self, rid: str) -> ReplicaState:
-        return self.table[self.table.positions[rid]]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.table.ids)
-
-    def __len__(self) -> int:
-        return len(self.table)

@@ -1,5 +1,9 @@
 """The index's Lua scripts: every index operation is one of these, one round trip.
 
+Longer than 300 lines because every operation's script is here, each beside the others it
+must agree with (a booking, its prefill-done mark and its release; a query and the shares
+it sums); the functions they share are in ``kvindex.lua``.
+
 Key layout and semantics are documented in ``kvindex.keys``. Every script that writes a
 replica's blocks first checks the caller's epoch, so a replaced replica cannot write.
 
@@ -94,9 +98,9 @@ QUERY_FIELDS = (
     "cached_blocks",
     "predicted_blocks",
     "footprint_blocks",
-    "booked_prefill_tokens",
+    "prefill_tokens",
     "in_flight",
-    "booked_decode_blocks",
+    "decode_blocks",
 )
 
 QUERY = (
@@ -148,9 +152,9 @@ for _, rid in ipairs(order) do
   flat[#flat + 1] = held[rid] or 0
   flat[#flat + 1] = predicted[rid] or 0
   flat[#flat + 1] = fp[rid] or 0
-  flat[#flat + 1] = loads[rid .. ':prefill'] or 0
-  flat[#flat + 1] = loads[rid .. ':active'] or 0
-  flat[#flat + 1] = loads[rid .. ':decode'] or 0
+  flat[#flat + 1] = loads[rid .. ':prefill_tokens'] or 0
+  flat[#flat + 1] = loads[rid .. ':in_flight'] or 0
+  flat[#flat + 1] = loads[rid .. ':decode_blocks'] or 0
 end
 return flat
 """
@@ -172,9 +176,9 @@ for _, old in ipairs(redis.call('ZRANGEBYSCORE', bk, '-inf', now)) do unbook(ns,
 unbook(ns, rep, req)
 redis.call('ZADD', bk, now + tonumber(ARGV[6]), req)
 redis.call('HSET', ns .. ':bt:' .. rep, req, ARGV[4] .. ':' .. ARGV[5])
-add(ns, rep, 'prefill', tonumber(ARGV[4]))
-add(ns, rep, 'decode', tonumber(ARGV[5]))
-add(ns, rep, 'active', 1)
+add(ns, rep, 'prefill_tokens', tonumber(ARGV[4]))
+add(ns, rep, 'decode_blocks', tonumber(ARGV[5]))
+add(ns, rep, 'in_flight', 1)
 -- each block's predicted holders, by expiry; a block's key lives no longer than its newest
 -- prediction, so expired members go with it unless a router keeps predicting the block.
 -- The replica's own list of what was predicted there lets a purge find them.
@@ -204,7 +208,7 @@ local bt = ns .. ':bt:' .. rep
 local fields = redis.call('HGET', bt, req)
 if not fields then return 0 end
 local sep = string.find(fields, ':')
-add(ns, rep, 'prefill', -tonumber(string.sub(fields, 1, sep - 1)))
+add(ns, rep, 'prefill_tokens', -tonumber(string.sub(fields, 1, sep - 1)))
 redis.call('HSET', bt, req, '0' .. string.sub(fields, sep))
 return emit_load(ns, rep)
 """
@@ -248,9 +252,10 @@ return reaped
 )
 
 
-# ARGV: ns, router, ttl ms, totals ("replica:prefill:active:decode,..."), predict ttl ms,
-# then pairs: replica, hashes (concatenated). A router that routes from a mirror shares
-# its bookings this way, a few times a second, instead of one booking script per request:
+# ARGV: ns, router, ttl ms, totals ("replica:prefill_tokens:in_flight:decode_blocks,..."),
+# predict ttl ms, then pairs: replica, hashes (concatenated). A router that routes from a
+# mirror shares its bookings this way, a few times a second, instead of one booking script
+# per request:
 # its whole totals (they replace its last ones; they lapse after the ttl unless renewed)
 # and the prompts it sent where since (predicted held there until the predict ttl).
 SHARE = (

@@ -6,14 +6,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvindex.config import IndexConfig
 from kvindex.hashing import BlockHasher
-from kvindex.pulls import PullConfig
-from kvindex.stored import StoreConfig
 from replica.checkpoints import SMOLLM2
-from replica.model.shape import ModelShape
+from replica.checkpoints.shape import ModelShape
 
-__all__ = ["EngineConfig", "ModelShape", "ReplicaArgs"]
+__all__ = ["EngineConfig", "ModelShape"]
 
 
 class EngineConfig(BaseModel):
@@ -115,14 +112,3 @@ class EngineConfig(BaseModel):
     def block_hasher(self) -> BlockHasher:
         """The hash chain of this engine's cache; the router must use the same one."""
         return BlockHasher(self.block_size, self.model_id, (self.hash_secret or "").encode())
-
-
-class ReplicaArgs(BaseModel):
-    """What one engine replica is built from: its engine and the index it publishes to."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    engine: EngineConfig = EngineConfig()
-    index: IndexConfig = IndexConfig()
-    pull: PullConfig = PullConfig()
-    store: StoreConfig = StoreConfig()

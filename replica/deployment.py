@@ -23,15 +23,18 @@ import ray
 from ray import serve
 
 from kvindex.writer import IndexWriter
-from replica.config import EngineConfig, ReplicaArgs
+from replica.args import ReplicaArgs
+from replica.config import EngineConfig
 from replica.engine_loop import EngineLoop
-from replica.messages import EngineRequest, PullRequest, RequestFailedError, RequestOutput
+from replica.errors import RequestFailedError
+from replica.messages import EngineRequest, PullRequest, RequestOutput
 from replica.publisher import IndexPublisher
 from replica.store.files import publisher_lock_path
 from replica.store_publisher import StorePublisher
 
-if TYPE_CHECKING:
-    from replica.engine.transfer import PrefixExport
+if TYPE_CHECKING:  # torch loads in the replica's process only, not where the app is built
+    from replica.kv.transfer import PrefixExport
+    from replica.store.tier import StoreTier
 
 log = logging.getLogger("ray.serve")
 
@@ -54,11 +57,14 @@ class EngineReplica:
     def __init__(self, args: dict[str, Any] | ReplicaArgs) -> None:
         # torch and the engine load here, in the replica, not where this module is imported
         # to build the app (``cluster.app``, in a worker of its own at every deploy)
-        from replica.engine import Engine
+        from replica.engine.engine import Engine
+        from replica.model.runner import ModelRunner
         from replica.pull import Puller
 
         self.args = ReplicaArgs.model_validate(args)
-        self.engine = Engine(_engine_config(self.args))
+        config = _engine_config(self.args)
+        self.runner = ModelRunner(config)  # the engine is handed its runner
+        self.engine = Engine(config, self.runner)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()  # where it runs (stats)
         self.publisher = IndexPublisher(
@@ -68,9 +74,10 @@ class EngineReplica:
         )
         self.engine.subscribe(self.publisher.on_events)
         self.store_publisher: StorePublisher | None = None
+        self.tier: StoreTier | None = None  # the node store, the engine's second tier
         self._attach_store()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self.engine_loop = EngineLoop(self.engine, self._executor, self.replica_id)
+        self.engine_loop = EngineLoop(self.engine, self._executor, self.replica_id, self.tier)
         self._left = False
         self.puller = Puller(
             self.engine,
@@ -88,10 +95,11 @@ class EngineReplica:
         one replica of the node (``replica.store_publisher``)."""
         from replica.store.build import build_tier
 
-        tier = build_tier(self.engine, self.args.store, self.args.index)
+        tier = build_tier(self.engine, self.runner.kv_source, self.args.store, self.args.index)
         if tier is None:
             return
         self.engine.attach_store(tier)
+        self.tier = tier
         store = tier.store
         args = self.args
 
@@ -149,12 +157,12 @@ class EngineReplica:
     async def export_prefix(self, request: PullRequest) -> PrefixExport:
         """This replica's verified cached prefix of another replica's prompt (between steps,
         on the engine's thread)."""
-        from replica.engine.transfer import export_prefix
+        from replica.kv.transfer import export_prefix
 
         by_reference = request.node_id == self.node_id and self.args.pull.shared_memory
         return await self._on_engine(
             export_prefix,
-            self.engine,
+            self.engine.kv,
             request.prompt_token_ids,
             request.cache_salt,
             by_reference,
@@ -191,19 +199,10 @@ class EngineReplica:
         }
 
     def _store_stats(self) -> dict[str, Any]:
-        tier = self.engine.store
-        if tier is None:
+        if self.tier is None:
             return {}
-        store = tier.store.counters
-        return {
-            **tier.counters.to_dict(),
-            "store_hits": store.hits,
-            "store_torn": store.torn,
-            "store_full": store.full,
-            "store_blocks": tier.store.num_blocks,
-            "store_capacity": tier.store.geometry.num_slots,
-            "store_publisher": self.store_publisher is not None and self.store_publisher.leading,
-        }
+        leading = self.store_publisher is not None and self.store_publisher.leading
+        return {**self.tier.stats(), "store_publisher": leading}
 
     def check_health(self) -> None:
         if self.engine_loop.failure is not None:
@@ -223,14 +222,14 @@ class EngineReplica:
         if not self._left:
             self._left = True
             self.publisher.close(deregister=True)
-            store = self.engine.store.store if self.engine.store is not None else None
+            store = self.tier.store if self.tier is not None else None
             last = bool(getattr(store, "leave", lambda: False)())  # the node's last replica
             if self.store_publisher is not None:
                 leading = self.store_publisher.leading
                 self.store_publisher.close(last=last)
                 log.info("left the index (node store: last user %s, publisher %s)", last, leading)
-            if self.engine.store is not None:
-                self.engine.store.wait_idle(2.0)  # its mapping stays: steps may still run
+            if self.tier is not None:
+                self.tier.wait_idle(2.0)  # its mapping stays: steps may still run
 
 
 def _engine_config(args: ReplicaArgs) -> EngineConfig:

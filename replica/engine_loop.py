@@ -19,10 +19,12 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from replica.messages import RequestFailedError, RequestOutput
+from replica.errors import RequestFailedError
+from replica.messages import RequestOutput
 
 if TYPE_CHECKING:
-    from replica.engine import Engine
+    from replica.engine.engine import Engine
+    from replica.store.tier import StoreTier
 
 # how long a finished answer waits for its blocks' spill (~1 ms a block; a spiller that far
 # behind must not hold answers back)
@@ -35,8 +37,15 @@ Stream = asyncio.Queue[RequestOutput | BaseException]
 class EngineLoop:
     """The stepping task of ``engine``; ``streams`` maps a request id to its queue."""
 
-    def __init__(self, engine: Engine, executor: ThreadPoolExecutor, replica_id: str) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        executor: ThreadPoolExecutor,
+        replica_id: str,
+        tier: StoreTier | None = None,
+    ) -> None:
         self.engine, self.executor, self.replica_id = engine, executor, replica_id
+        self.tier = tier  # the engine's node store, whose spills a finished answer awaits
         self.streams: dict[str, Stream] = {}
         self.failure: BaseException | None = None
         self.audits = 0
@@ -79,7 +88,7 @@ class EngineLoop:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Every choice streams with its request; a finished one once its spill is done."""
-        tier = self.engine.store
+        tier = self.tier
         ticket = tier.ticket() if tier is not None else 0
         for out in outputs:
             queue = self.streams.get(out.request_id)

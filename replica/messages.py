@@ -5,43 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from kvindex.records import RoutingRequest
-from replica.sampling.params import SamplingParams
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A token's log-probability under the model, and the most likely alternatives."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine can never serve; nothing was changed. ``message`` is written for
-    the client, ``param`` names the field at fault and ``code`` is OpenAI's error code (the
-    ingress renders exactly these, never the exception's text, which Ray decorates with a
-    traceback when it crosses from a replica)."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.param, self.code = message, param, code
-
-    def __reduce__(self) -> tuple[type, tuple[str, str | None, str | None]]:
-        return (InvalidRequestError, (self.message, self.param, self.code))
-
-
-class RequestFailedError(RuntimeError):
-    """One request failed inside the engine (a bug that its own numbers or state hit, say in
-    sampling); the engine dropped it and served everything else. The ingress answers 500 and
-    never resends it (it would fail on any replica). ``message`` is for the server's log."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
-
-    def __reduce__(self) -> tuple[type, tuple[str]]:
-        return (RequestFailedError, (self.message,))
+from replica.sampling.params import SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -94,7 +58,7 @@ class RequestOutput:
 @dataclass(frozen=True)
 class PullRequest:
     """A replica asking another for the verified cached prefix of a prompt
-    (``replica.engine.transfer``); routed to ``target_replica_id`` and nowhere else."""
+    (``replica.kv.transfer``); routed to ``target_replica_id`` and nowhere else."""
 
     target_replica_id: str
     prompt_token_ids: list[int]

@@ -13,7 +13,7 @@ from typing import Any
 import redis
 
 from kvindex.writer import IndexWriter, StaleEpochError
-from replica.engine.prefix_cache import CacheEvents
+from replica.engine.blocks.prefix_cache import CacheEvents
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 longest run of the request's prompt blocks; when another live replica holds at least
 ``min_blocks`` more of them than this one, it pulls the missing blocks from that replica
 (``EngineReplica.export_prefix``, through a Serve handle routed to exactly that replica)
-and imports them, verified, before admission (``replica.engine.transfer``). On the same
+and imports them, verified, before admission (``replica.kv.transfer``). On the same
 node the holder answers with where the blocks are in its shared pool and the puller copies
 them from there itself (``pull.shared_memory``); otherwise the KV travels through Ray's
 object store. The request then hits them like any local prefix, and
@@ -30,12 +30,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvindex.config import IndexConfig
-from kvindex.pulls import PullConfig, pull_source
+from kvindex.pulls import pull_source
 from kvindex.reader import IndexReader
 from kvindex.records import store_id
-from replica.engine import Engine
-from replica.engine.transfer import import_prefix
+from replica.engine.engine import Engine
+from replica.kv.transfer import import_prefix
 from replica.messages import EngineRequest, PullRequest
+from replica.pull_config import PullConfig
 
 log = logging.getLogger("ray.serve")
 
@@ -98,7 +99,7 @@ class Puller:
             log.warning("pull from %s failed: %s", holder, type(exc).__name__)
             return
         result = await self.run_on_engine(
-            import_prefix, self.engine, ids, request.cache_salt, export
+            import_prefix, self.engine.kv, ids, request.cache_salt, export
         )
         c = self.counters
         c.pulls += 1
@@ -118,7 +119,7 @@ class Puller:
         if not answer:
             return None
         own_store = store_id(self.node_id) if self.node_id else ""
-        return pull_source(answer.values(), self.replica_id, self.config.min_blocks, own_store)
+        return pull_source(answer, self.replica_id, self.config.min_blocks, own_store)
 
     def _export_handle(self) -> Any:
         if self._handle is None:

@@ -27,7 +27,7 @@ import numpy as np
 
 from kvindex.records import store_id
 from kvindex.writer import IndexWriter
-from replica.engine.prefix_cache import CacheEvents
+from replica.engine.blocks.prefix_cache import CacheEvents
 from replica.publisher import IndexPublisher
 from replica.store.layout import VALID, join_hash
 from replica.store.node_store import NodeStore

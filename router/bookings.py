@@ -10,32 +10,9 @@ a burst never sees stale load. Nothing here does I/O; one event loop uses it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from kvindex.records import Booking
-
-
-@dataclass(frozen=True)
-class Load:
-    """Booked load on one replica."""
-
-    prefill_tokens: int = 0
-    in_flight: int = 0
-    decode_blocks: int = 0
-
-    def __add__(self, other: Load) -> Load:
-        return Load(
-            self.prefill_tokens + other.prefill_tokens,
-            self.in_flight + other.in_flight,
-            self.decode_blocks + other.decode_blocks,
-        )
-
-    def __sub__(self, other: Load) -> Load:
-        return Load(
-            self.prefill_tokens - other.prefill_tokens,
-            self.in_flight - other.in_flight,
-            self.decode_blocks - other.decode_blocks,
-        )
+from kvindex.records import Booking, Load
 
 
 class Bookings:
@@ -108,4 +85,4 @@ class Bookings:
 
 
 def _load(booking: Booking) -> Load:
-    return Load(booking.prefill_tokens, 1, booking.decode_blocks)
+    return Load(booking.prefill_tokens, in_flight=1, decode_blocks=booking.decode_blocks)

@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from kvindex.pulls import PullConfig
-from kvindex.stored import StoreConfig
+from kvindex.pulls import PullPrices
+from kvindex.stored import StorePrices
 from router.policies import BoundedLoad, CacheAware, PrefixAffinity, RoundRobin, RoutingPolicy
 from router.prefill_cost import STICKY_BUDGET_TOKENS, CostKnobs, PrefillCost
 from router.recent_work import HALF_LIFE_TOKENS
@@ -114,7 +114,7 @@ def routing_config(**fields: Any) -> ServedPolicy | RayRouting:
 
 
 def make_policy(
-    config: ServedPolicy, pull: PullConfig | None = None, store: StoreConfig | None = None
+    config: ServedPolicy, pull: PullPrices | None = None, store: StorePrices | None = None
 ) -> RoutingPolicy:
     """The policy a section of ours names (``pull`` and ``store``: the replicas' pull and
     store sections, which ``prefill_cost`` prices)."""

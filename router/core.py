@@ -1,6 +1,6 @@
 """One routing decision and what a router remembers of it, with no Ray and no I/O in it.
 
-The Serve router (``router.serve_router``) and the simulator (``bench.sim.simulator``) both
+The Serve router (``router.serve.router``) and the simulator (``bench.sim.simulator``) both
 own a ``RoutingCore`` and call the same methods in the same order, so the simulator cannot
 drift from production:
 
@@ -19,21 +19,20 @@ drift from production:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Protocol
 
 import numpy as np
 
-from kvindex.pulls import PullConfig, pulled_token_column, with_pullable
-from kvindex.records import Booking, ReplicaState, ReplicaTable, RoutingRequest, TableAnswer
-from kvindex.stored import StoreConfig, stored_token_column, with_stored
-from router.bookings import Bookings, Load
+from kvindex.pulls import PullPrices, pulled_token_column, with_pullable
+from kvindex.records import COLUMNS, LOAD_FIELDS, Booking, ReplicaTable, RoutingRequest
+from kvindex.stored import StorePrices, stored_token_column, with_stored
+from router.bookings import Bookings
 from router.policies import RoutingPolicy, cache_credits
 from router.recent_routes import RecentRoutes
 
 
 class QueueFloors(Protocol):
-    """Requests known to be queued at replicas (``router.queue_lengths``: Serve's)."""
+    """Requests known to be queued at replicas (``router.serve.queue_lengths``: Serve's)."""
 
     def column(self, ids: Sequence[str]) -> np.ndarray:
         """Each of ``ids``' count, in order (0 where none is known)."""
@@ -86,8 +85,8 @@ class RoutingCore:
         self,
         policy: RoutingPolicy,
         recent: RecentRoutes | None = None,
-        pulls: PullConfig | None = None,
-        stores: StoreConfig | None = None,
+        pulls: PullPrices | None = None,
+        stores: StorePrices | None = None,
     ) -> None:
         self.policy = policy
         self.bookings = Bookings()
@@ -100,22 +99,37 @@ class RoutingCore:
     def states(
         self,
         replica_ids: Sequence[str],
-        answer: Mapping[str, ReplicaState] | None,
+        answer: ReplicaTable | None,
         block_hashes: Sequence[bytes],
         queued: QueueFloors | None = None,
         nodes: Mapping[str, str] | None = None,
     ) -> ReplicaTable:
-        """What the policy sees of every candidate (``answer`` None: the index did not
-        answer, or the policy does not read it). ``queued``: requests the caller knows to be
-        queued at each replica, a floor for its in-flight count (``router.queue_lengths``).
-        ``nodes``: each candidate's node, whose store it restores from (``kvindex.stored``)."""
-        if isinstance(answer, TableAnswer):
-            table = self._added(self._taken(answer.table, replica_ids), queued)
+        """What the policy sees of every candidate: the index's ``answer`` for them (None:
+        the index did not answer, or the policy does not read it: then nothing is known of
+        the caches but what this router recently routed where, as predicted blocks), plus
+        this router's bookings the index has not acknowledged (all of them without an
+        answer). ``queued``: requests the caller knows to be queued at each replica, a
+        floor for its in-flight count (``router.serve.queue_lengths``). ``nodes``: each
+        candidate's node, whose store it restores from (``kvindex.stored``). One path for
+        every answer: Redis's, a mirror's, the simulator's."""
+        if answer is None:
+            table = self._unknown(replica_ids, block_hashes)
         else:
-            table = ReplicaTable.of(self._states(replica_ids, answer, block_hashes, queued))
+            table = self._taken(answer, replica_ids)
+        table = self._added(table, queued, only_unacknowledged=answer is not None)
         if self.stores and answer is not None and nodes:
             table = with_stored(table, answer, nodes)
         return with_pullable(table) if self.pulls and answer is not None else table
+
+    def _unknown(self, replica_ids: Sequence[str], block_hashes: Sequence[bytes]) -> ReplicaTable:
+        """The candidates with nothing known of their caches (``known`` False) but what this
+        router recently routed where (``predicted_blocks``)."""
+        columns = {c: np.zeros(len(replica_ids), np.int64) for c in COLUMNS}
+        if self.recent is not None:
+            recent = self.recent.held(block_hashes)
+            predicted = [recent.get(rid, 0) for rid in replica_ids]
+            columns["predicted_blocks"] = np.array(predicted, np.int64)
+        return ReplicaTable(replica_ids, columns, known=False)
 
     def _taken(self, table: ReplicaTable, replica_ids: Sequence[str]) -> ReplicaTable:
         """``table.take(replica_ids)``, remembering the last pair of id lists found to be
@@ -130,67 +144,33 @@ class RoutingCore:
             self._same_ids = (id(replica_ids), id(table.ids))
         return taken
 
-    def _added(self, table: ReplicaTable, queued: QueueFloors | None) -> ReplicaTable:
-        """A table of the index's answer plus this router's unacknowledged bookings, with
-        ``queued`` as a floor for in-flight counts (the columns touched only where needed)."""
-        local = self.bookings.totals(only_unacknowledged=True)
+    def _added(
+        self, table: ReplicaTable, queued: QueueFloors | None, only_unacknowledged: bool
+    ) -> ReplicaTable:
+        """``table`` plus this router's bookings (those the index has not acknowledged, or
+        all), with ``queued`` as a floor for in-flight counts (columns touched only where
+        needed)."""
+        local = self.bookings.totals(only_unacknowledged=only_unacknowledged)
         floors = queued.column(table.ids) if queued is not None else None
         if floors is not None and not floors.any():
             floors = None
         if not local and floors is None:
             return table
-        changed = ("booked_prefill_tokens", "in_flight", "booked_decode_blocks") if local else ()
+        changed = LOAD_FIELDS if local else ()
         columns = {c: table.column(c).copy() for c in changed}
         where = table.positions
         for rid, load in local.items():
             k = where.get(rid)
             if k is not None:
-                columns["booked_prefill_tokens"][k] += load.prefill_tokens
+                columns["prefill_tokens"][k] += load.prefill_tokens
                 columns["in_flight"][k] += load.in_flight
-                columns["booked_decode_blocks"][k] += load.decode_blocks
+                columns["decode_blocks"][k] += load.decode_blocks
         if floors is not None:  # a new column, or the copy above raised in place
             in_flight = columns.get("in_flight")
             columns["in_flight"] = np.maximum(table.column("in_flight"), floors, out=in_flight)
         return table.with_columns(**columns)
 
-    def _states(
-        self,
-        replica_ids: Sequence[str],
-        answer: Mapping[str, ReplicaState] | None,
-        block_hashes: Sequence[bytes],
-        queued: QueueFloors | None,
-    ) -> list[ReplicaState]:
-        """``states`` one replica at a time (an answer from Redis or the simulator's index,
-        or none)."""
-        local = self.bookings.totals(only_unacknowledged=answer is not None)
-        recent = {}
-        if answer is None and self.recent is not None:
-            recent = self.recent.held(block_hashes)
-        floors = [0] * len(replica_ids) if queued is None else queued.column(replica_ids).tolist()
-        states = []
-        for rid, floor in zip(replica_ids, floors, strict=True):
-            seen = answer.get(rid) if answer is not None else None
-            if seen is not None and rid not in local and floor <= seen.in_flight:
-                states.append(seen)  # nothing of this router's to add (most replicas, at scale)
-                continue
-            base = seen or ReplicaState(rid, cached_blocks=0 if answer is not None else None)
-            if answer is None:
-                base = replace(base, predicted_blocks=recent.get(rid, 0))
-            load = local.get(rid, Load()) + Load(
-                base.booked_prefill_tokens, base.in_flight, base.booked_decode_blocks
-            )
-            states.append(
-                replace(
-                    base,
-                    in_flight=max(load.in_flight, floor),
-                    booked_prefill_tokens=load.prefill_tokens,
-                    booked_decode_blocks=load.decode_blocks,
-                )
-            )
-        return states
-
-    def decide(self, request: RoutingRequest, states: Sequence[ReplicaState]) -> Decision:
-        table = ReplicaTable.of(states)
+    def decide(self, request: RoutingRequest, table: ReplicaTable) -> Decision:
         ranking = self.policy.rank(request, table)
         return Decision(request, ranking, table, self.credits(request, table))
 

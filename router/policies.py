@@ -85,7 +85,7 @@ class RoutingPolicy(abc.ABC):
         run ``work_tokens`` there (uncached prompt and output), one of ``replicas``."""
 
     @abc.abstractmethod
-    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> Sequence[str]:
+    def rank(self, request: RoutingRequest, replicas: ReplicaTable) -> Sequence[str]:
         """Replica ids, the preferred first (usually every replica once)."""
 
     def explain(self) -> str:
@@ -102,10 +102,11 @@ def rendezvous_weights(key: bytes, replicas: Sequence[str] | ReplicaTable) -> np
     removing one of N replicas moves only the keys whose first choice it is or becomes:
     about 1/N of them.
     """
-    if isinstance(replicas, ReplicaTable):
-        ids_hash = replicas.id_hashes
+    if isinstance(replicas, ReplicaTable):  # the table's own, else computed once and kept
+        table = replicas
+        ids_hash = table.id_hashes
         if ids_hash is None:
-            ids_hash = replicas.id_hashes = _id_hashes(replicas.ids)
+            ids_hash = table.derived("id_hashes", lambda: _id_hashes(table.ids))
     else:
         ids_hash = _id_hashes(replicas)
     x = ids_hash ^ np.uint64(id_hash(key))  # a new array: the steps below work in place
@@ -200,7 +201,7 @@ class BoundedLoad:
 
     epsilon: float = 0.25
 
-    def overloaded(self, replicas: Sequence[ReplicaState]) -> set[str]:
+    def overloaded(self, replicas: ReplicaTable) -> set[str]:
         if not replicas:
             return set()
         mean = (sum(r.in_flight for r in replicas) + 1) / len(replicas)
@@ -225,7 +226,7 @@ class RoundRobin(RoutingPolicy):
     ) -> None:
         self._last = replica_id
 
-    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> list[str]:
+    def rank(self, request: RoutingRequest, replicas: ReplicaTable) -> list[str]:
         ids = sorted(r.replica_id for r in replicas)
         start = bisect.bisect_right(ids, self._last) % len(ids) if ids else 0
         return ids[start:] + ids[:start]
@@ -244,7 +245,7 @@ class PrefixAffinity(RoutingPolicy):
     def __init__(self, bound: BoundedLoad = BoundedLoad()) -> None:
         self.bound = bound
 
-    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> list[str]:
+    def rank(self, request: RoutingRequest, replicas: ReplicaTable) -> list[str]:
         order = rendezvous_order(request.affinity_key, [r.replica_id for r in replicas])
         full = self.bound.overloaded(replicas)
         return [r for r in order if r not in full] + [r for r in order if r in full]
@@ -270,7 +271,7 @@ class CacheAware(RoutingPolicy):
         self.load_cost_tokens = load_cost_tokens
         self.min_cached_fraction = min_cached_fraction
 
-    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> list[str]:
+    def rank(self, request: RoutingRequest, replicas: ReplicaTable) -> list[str]:
         base = self.affinity.rank(request, replicas)
         if all(r.cached_blocks is None for r in replicas):
             return base

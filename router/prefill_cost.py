@@ -51,9 +51,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvindex.pulls import PullConfig, pull_prices, pulled_token_column
-from kvindex.records import ReplicaState, ReplicaTable, RoutingRequest
-from kvindex.stored import StoreConfig, restore_prices, stored_token_column
+from kvindex.pulls import PullPrices, pull_prices, pulled_token_column
+from kvindex.records import ReplicaTable, RoutingRequest
+from kvindex.stored import StorePrices, restore_prices, stored_token_column
 from router.policies import (
     Ranking,
     RoutingPolicy,
@@ -80,8 +80,8 @@ class CostKnobs:
     new_prefix_slack: float = 0.0
     min_hit_fraction: float = 0.5
     work_half_life_tokens: int = HALF_LIFE_TOKENS
-    pull: PullConfig | None = None  # the replicas pull prefixes: price a pull, not a prefill
-    store: StoreConfig | None = None  # node stores: price a restore, not a prefill
+    pull: PullPrices | None = None  # the replicas pull prefixes: price a pull, not a prefill
+    store: StorePrices | None = None  # node stores: price a restore, not a prefill
 
 
 def tie_key(request: RoutingRequest, held_blocks: int) -> bytes:
@@ -125,15 +125,15 @@ class PrefillCost(RoutingPolicy):
         # the last decision: why, among how many, the first replicas ranked and their costs
         self._last: tuple[str, int, list[str], list[int]] = ("", 0, [], [])
 
-    def costs(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, int]:
+    def costs(self, request: RoutingRequest, replicas: ReplicaTable) -> dict[str, int]:
         """Each replica's cost for this request, in prefill tokens: a token it would pull
         from another replica costs the pull's price, not a prefill."""
-        table = ReplicaTable.of(replicas)
+        table = ReplicaTable.of(replicas)  # a list of states (a test's) as a table
         return dict(zip(table.ids, self.cost_column(request, table).tolist(), strict=True))
 
     def cost_column(self, request: RoutingRequest, table: ReplicaTable) -> np.ndarray:
         costs = (
-            table.column("booked_prefill_tokens")
+            table.column("prefill_tokens")
             + (request.num_prompt_tokens - cache_credits(request, table))
             + self.knobs.decode_cost_tokens * table.column("in_flight")
         )
@@ -159,10 +159,10 @@ class PrefillCost(RoutingPolicy):
         tokens = stored_token_column(request, table)
         return tokens - restore_prices(store, tokens)
 
-    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> Sequence[str]:
+    def rank(self, request: RoutingRequest, replicas: ReplicaTable) -> Sequence[str]:
         if not replicas:
             return []
-        table = ReplicaTable.of(replicas)
+        table = ReplicaTable.of(replicas)  # a list of states (a test's) as a table
         costs = self.cost_column(request, table)
         held = table.held
         most = held.max()

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
+
+from kvindex.measure import percentile
 
 ROUTED = Counter(
     "prefix_serve_routed_requests", "Requests sent to each engine replica", ["replica", "policy"]
@@ -23,7 +24,7 @@ ROUTING_ERRORS = Counter(
     "prefix_serve_routing_errors",
     "Decisions that raised (a defect): the request went to any replica instead of waiting",
 )
-# with index.mirror (set at collection, from the router's mirror: router.serve_router)
+# with index.mirror (set at collection, from the router's mirror: router.serve.router)
 MIRROR_SYNCED = Gauge(
     "prefix_serve_index_mirror_synced", "1 while this router's mirror of the index answers"
 )
@@ -104,12 +105,7 @@ class RouterStats:
             "policy": self.policy,
             "routed": dict(self.routed),
             "replicas": {rid: dict(values) for rid, values in replica_stats.items()},
-            "decision_p50_s": _percentile(self.decision_s, 50),
-            "decision_p99_s": _percentile(self.decision_s, 99),
+            "decision_p50_s": percentile(self.decision_s, 50),
+            "decision_p99_s": percentile(self.decision_s, 99),
             "routing_errors": self.errors,
         }
-
-
-def _percentile(values: Iterable[float], q: float) -> float | None:
-    data = list(values)
-    return float(np.percentile(data, q)) if data else None

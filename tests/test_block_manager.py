@@ -6,9 +6,9 @@ import pytest
 
 import kvindex.hashing
 from kvindex.hashing import BlockHasher
-from replica.engine.block_allocator import BlockAllocator, OutOfBlocksError
-from replica.engine.block_manager import BlockManager
-from replica.engine.prefix_cache import CacheEvents
+from replica.engine.blocks.allocator import BlockAllocator, OutOfBlocksError
+from replica.engine.blocks.manager import BlockManager
+from replica.engine.blocks.prefix_cache import CacheEvents
 from replica.engine.sequence import Sequence
 from replica.sampling.params import SamplingParams
 

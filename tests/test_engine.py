@@ -15,11 +15,12 @@ from safetensors.torch import save_file
 
 import kvindex.hashing
 from replica.checkpoints.hf import hf_config
-from replica.engine import Engine, InvalidRequestError, SamplingParams
-from replica.engine.outputs import Runner
-from replica.engine.scheduler import ScheduledBatch
+from replica.engine.step import Runner, ScheduledBatch
+from replica.errors import InvalidRequestError
 from replica.model.cpu import DTYPES
 from replica.model.llama import LlamaForCausalLM
+from replica.model.runner import build_engine
+from replica.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
@@ -34,7 +35,7 @@ def shared_prefix_prompts(n: int, seed: int = 0, block_size: int = 16) -> list[l
 
 
 def test_requests_arriving_together_compute_a_shared_prompt_once() -> None:
-    engine = Engine(tiny(block_size=16))
+    engine = build_engine(tiny(block_size=16))
     system = [256] + list(range(63))  # 4 full blocks
     tails = [[100 + i] * (i + 1) for i in range(8)]
     outs = engine.generate([system + t for t in tails], SamplingParams(max_tokens=1))
@@ -49,8 +50,8 @@ def test_requests_arriving_together_compute_a_shared_prompt_once() -> None:
 @pytest.mark.parametrize("max_num_seqs", [4, 32])
 def test_greedy_output_is_identical_with_the_cache_on_and_off(max_num_seqs: int) -> None:
     prompts = shared_prefix_prompts(18)
-    on = Engine(tiny(max_num_seqs=max_num_seqs))
-    off = Engine(tiny(max_num_seqs=max_num_seqs, enable_prefix_cache=False))
+    on = build_engine(tiny(max_num_seqs=max_num_seqs))
+    off = build_engine(tiny(max_num_seqs=max_num_seqs, enable_prefix_cache=False))
     outs_on, outs_off = on.generate(prompts, GREEDY), off.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs_on] == [o.token_ids for o in outs_off]
     assert on.stats().cached_prompt_tokens > 0
@@ -62,8 +63,8 @@ def test_greedy_output_is_identical_with_the_cache_on_and_off(max_num_seqs: int)
 def test_equivalence_holds_under_memory_pressure_with_preemption() -> None:
     prompts = shared_prefix_prompts(12, seed=3)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    tight = Engine(tiny(num_blocks=24, max_num_seqs=12))
-    reference = Engine(tiny(enable_prefix_cache=False))
+    tight = build_engine(tiny(num_blocks=24, max_num_seqs=12))
+    reference = build_engine(tiny(enable_prefix_cache=False))
     outs = tight.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in reference.generate(prompts, params)]
     stats = tight.stats()
@@ -76,8 +77,8 @@ def test_equivalence_holds_under_memory_pressure_with_preemption() -> None:
 @pytest.mark.parametrize("budget", [16, 37])
 def test_chunked_prefill_changes_no_output(budget: int) -> None:
     prompts = [*shared_prefix_prompts(10, seed=8), [256, *range(200)]]
-    whole = Engine(tiny(enable_chunked_prefill=False)).generate(prompts, GREEDY)
-    engine = Engine(tiny(max_num_batched_tokens=budget, max_num_seqs=8))
+    whole = build_engine(tiny(enable_chunked_prefill=False)).generate(prompts, GREEDY)
+    engine = build_engine(tiny(max_num_batched_tokens=budget, max_num_seqs=8))
     chunked = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in chunked] == [o.token_ids for o in whole]
     # the 201-token prompt alone needs ceil(201 / budget) chunk steps, then 23 decodes
@@ -86,7 +87,7 @@ def test_chunked_prefill_changes_no_output(budget: int) -> None:
 
 
 def test_a_fully_cached_prompt_still_runs_and_gives_the_same_output() -> None:
-    engine = Engine(tiny(block_size=16))
+    engine = build_engine(tiny(block_size=16))
     prompt = [256] + list(range(47))  # exactly 3 blocks
     first = engine.generate([prompt], GREEDY)[0]
     computed = engine.stats().computed_tokens
@@ -100,9 +101,9 @@ def test_a_forced_hash_collision_does_not_change_any_output(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     prompts = shared_prefix_prompts(9, seed=5)
-    expected = Engine(tiny(enable_prefix_cache=False)).generate(prompts, GREEDY)
+    expected = build_engine(tiny(enable_prefix_cache=False)).generate(prompts, GREEDY)
     monkeypatch.setattr(kvindex.hashing, "_digest", lambda data, key: b"\x01" * 16)
-    engine = Engine(tiny())
+    engine = build_engine(tiny())
     outs = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
     assert engine.stats().hash_mismatches > 0
@@ -112,14 +113,14 @@ def test_a_forced_hash_collision_does_not_change_any_output(
 def test_a_trace_without_shared_text_gets_no_hits() -> None:
     rng = random.Random(11)
     prompts = [[256] + [rng.randrange(256) for _ in range(80)] for _ in range(10)]
-    engine = Engine(tiny())
+    engine = build_engine(tiny())
     engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     assert engine.stats().cached_prompt_tokens == 0
     assert engine.stats().hit_rate == 0.0
 
 
 def test_stop_conditions() -> None:
-    engine = Engine(tiny())
+    engine = build_engine(tiny())
     prompt = [256, *b"stop here"]
     free_run = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
     assert free_run.finish_reason == "length" and len(free_run.token_ids) == 12
@@ -128,7 +129,7 @@ def test_stop_conditions() -> None:
     assert cut.finish_reason == "stop"
     assert cut.token_ids == free_run.token_ids[: free_run.token_ids.index(stop_at) + 1]
 
-    eos_engine = Engine(tiny(model={"eos_token_ids": [stop_at]}))
+    eos_engine = build_engine(tiny(model={"eos_token_ids": [stop_at]}))
     at_eos = eos_engine.generate([prompt], SamplingParams(max_tokens=12))[0]
     assert at_eos.finish_reason == "stop" and at_eos.token_ids[-1] == stop_at
     ignored = eos_engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
@@ -138,16 +139,16 @@ def test_stop_conditions() -> None:
 def test_seeded_sampling_does_not_depend_on_the_batch() -> None:
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=1234)
     prompt = [256, *b"sample me"]
-    alone = Engine(tiny()).generate([prompt], params)[0]
+    alone = build_engine(tiny()).generate([prompt], params)[0]
     crowd = shared_prefix_prompts(5) + [prompt]
-    together = Engine(tiny()).generate(crowd, [GREEDY] * 5 + [params])[-1]
+    together = build_engine(tiny()).generate(crowd, [GREEDY] * 5 + [params])[-1]
     assert alone.token_ids == together.token_ids
-    greedy = Engine(tiny()).generate([prompt], SamplingParams(max_tokens=16))[0]
+    greedy = build_engine(tiny()).generate([prompt], SamplingParams(max_tokens=16))[0]
     assert alone.token_ids != greedy.token_ids
 
 
 def test_streaming_step_outputs_and_abort_free_blocks() -> None:
-    engine = Engine(tiny(num_blocks=64))
+    engine = build_engine(tiny(num_blocks=64))
     engine.add_request("keep", [256, *b"hello"], SamplingParams(max_tokens=5, ignore_eos=True))
     engine.add_request("drop", [256] + [7] * 40, SamplingParams(max_tokens=50, ignore_eos=True))
     streamed: list[int] = []
@@ -167,7 +168,7 @@ def test_streaming_step_outputs_and_abort_free_blocks() -> None:
 
 
 def test_invalid_requests_get_clear_errors_and_change_nothing() -> None:
-    engine = Engine(tiny(num_blocks=8, block_size=16, max_model_len=512))
+    engine = build_engine(tiny(num_blocks=8, block_size=16, max_model_len=512))
     cases = [
         ([], SamplingParams(), "empty"),
         ([1, 2, 999], SamplingParams(), r"\[0, 258\)"),
@@ -188,7 +189,7 @@ def test_invalid_requests_get_clear_errors_and_change_nothing() -> None:
 
 
 def test_events_let_an_observer_track_the_cached_set_exactly() -> None:
-    engine = Engine(tiny(num_blocks=40))
+    engine = build_engine(tiny(num_blocks=40))
     view: set[bytes] = set()
 
     def apply(events):  # what the index does with them
@@ -209,20 +210,20 @@ def test_events_let_an_observer_track_the_cached_set_exactly() -> None:
 def test_the_default_model_has_the_documented_size_and_seeded_weights() -> None:
     """README: 5,772,544 parameters with seeded random weights: the same seed gives the same
     weights (and outputs) in any engine, another seed other weights."""
-    a, b, c = (Engine(tiny(seed=seed)) for seed in (0, 0, 1))
+    a, b, c = (build_engine(tiny(seed=seed)) for seed in (0, 0, 1))
     assert a.runner.num_parameters == 5_772_544
     weights = [r.runner.model.model.embed_tokens.weight for r in (a, b, c)]
     assert torch.equal(weights[0], weights[1]) and not torch.equal(weights[0], weights[2])
 
 
 def test_weights_load_from_a_hugging_face_folder(tmp_path) -> None:
-    source = Engine(tiny(seed=42))
+    source = build_engine(tiny(seed=42))
     model = LlamaForCausalLM(source.config.shape)  # the engine's own are packed for oneDNN
     model.init_random(42)
     weights = model.hf_state_dict()
     save_file(weights, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(hf_config(model.config)))
-    loaded = Engine(tiny(seed=0, model=str(tmp_path)))
+    loaded = build_engine(tiny(seed=0, model=str(tmp_path)))
     assert loaded.config.model_id == tmp_path.name
     prompts = shared_prefix_prompts(3)
     assert [o.token_ids for o in loaded.generate(prompts, GREEDY)] == [
@@ -244,7 +245,7 @@ def test_weights_load_from_a_hugging_face_folder(tmp_path) -> None:
     )
 )
 def test_block_accounting_adds_up_after_every_step(ops) -> None:
-    engine = Engine(
+    engine = build_engine(
         tiny(
             model={"num_layers": 1, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 1},
             block_size=4,
@@ -277,7 +278,7 @@ def test_block_accounting_adds_up_after_every_step(ops) -> None:
 
 
 def test_extreme_sampling_parameters_never_break_a_step() -> None:
-    engine = Engine(tiny())
+    engine = build_engine(tiny())
     prompt = [256, *b"edge"]
     greedy = engine.generate([prompt], SamplingParams(max_tokens=6))[0].token_ids
     cold = SamplingParams(max_tokens=6, temperature=1e-30, seed=-(2**70))
@@ -314,7 +315,7 @@ Run = tuple[list[list[int]], list[list[torch.Tensor]]]  # tokens, and logits row
 def dtype_run(dtype: str, cache: bool) -> Run:
     """Greedy tokens and the logits behind them, for ``DTYPE_PROMPTS`` in one dtype."""
     deterministic = dtype != "float64"  # float64's matrix products are not row-invariant
-    engine = Engine(tiny(dtype=dtype, enable_prefix_cache=cache, deterministic=deterministic))
+    engine = build_engine(tiny(dtype=dtype, enable_prefix_cache=cache, deterministic=deterministic))
     # the dtype is really used: weights and the paged KV cache are held in it
     assert {p.dtype for p in engine.runner.model.parameters()} == {DTYPES[dtype]}
     assert engine.runner.kv_cache.dtype == DTYPES[dtype]
@@ -392,8 +393,8 @@ def test_a_queued_request_still_hits_the_prefix_it_was_sent_for(
     (``BlockManager.expect``), so the prefill ahead evicts the others. Without that, the
     one-off prompt cached after it would outlive it (the check that this test can fail)."""
     if not expect:
-        monkeypatch.setattr("replica.engine.block_manager.BlockManager.expect", lambda *a: 0)
-    engine = Engine(tiny(num_blocks=8, block_size=16, max_num_seqs=4))
+        monkeypatch.setattr("replica.engine.blocks.manager.BlockManager.expect", lambda *a: 0)
+    engine = build_engine(tiny(num_blocks=8, block_size=16, max_num_seqs=4))
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     tenant = [256] + list(range(31))  # two full blocks
     engine.generate([[*tenant, 7]], one)  # cached: the tenant's two blocks

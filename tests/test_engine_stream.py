@@ -20,7 +20,8 @@ from cluster.api.errors import APIError, install_handlers
 from cluster.engine_stream import EngineStream
 from kvindex.hashing import BlockHasher
 from kvindex.records import RoutingRequest
-from replica.messages import EngineRequest, RequestFailedError, RequestOutput
+from replica.errors import RequestFailedError
+from replica.messages import EngineRequest, RequestOutput
 from replica.sampling.params import SamplingParams
 
 HASHER = BlockHasher(4, "test-model")

@@ -10,9 +10,9 @@ import random
 import pytest
 
 from kvindex.hashing import BlockHasher
-from replica.engine.audit import check_block_accounting
-from replica.engine.block_allocator import BlockAllocator
-from replica.engine.block_manager import BlockManager
+from replica.engine.blocks.allocator import BlockAllocator
+from replica.engine.blocks.audit import check_block_accounting
+from replica.engine.blocks.manager import BlockManager
 from replica.engine.sequence import Sequence
 from replica.sampling.params import SamplingParams
 

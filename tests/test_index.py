@@ -23,9 +23,10 @@ from kvindex.reader import TRIP_AFTER_FAILURES, IndexReader
 from kvindex.records import Booking, ReplicaState
 from kvindex.scripts import QUERY_FIELDS
 from kvindex.writer import IndexWriter, StaleEpochError
-from replica.engine import Engine, SamplingParams
-from replica.engine.prefix_cache import CacheEvents
+from replica.engine.blocks.prefix_cache import CacheEvents
+from replica.model.runner import build_engine
 from replica.publisher import IndexPublisher
+from replica.sampling.params import SamplingParams
 
 MODEL = "tiny-llama-6m"
 H = [bytes([i]) * 16 for i in range(8)]  # a stand-in chain of 8 block hashes
@@ -149,7 +150,7 @@ def test_namespaces_isolate_two_clusters_on_one_redis(fresh_redis) -> None:
 
 
 def test_the_index_equals_the_engine_cached_set_through_evictions(fresh_redis) -> None:
-    engine = Engine(tiny(num_blocks=48))
+    engine = build_engine(tiny(num_blocks=48))
     index = index_for(fresh_redis)
     publisher = IndexPublisher(index.writer, "replica-0").start()
     engine.subscribe(publisher.on_events)
@@ -175,7 +176,7 @@ def test_the_index_equals_the_engine_cached_set_through_evictions(fresh_redis) -
 def test_killing_redis_never_stops_the_engine_and_a_resync_repairs_the_index(
     fresh_redis,
 ) -> None:
-    engine = Engine(tiny(num_blocks=48))
+    engine = build_engine(tiny(num_blocks=48))
     index = index_for(fresh_redis, retry_after_s=0.1)
     publisher = IndexPublisher(index.writer, "replica-0").start()
     engine.subscribe(publisher.on_events)
@@ -212,7 +213,7 @@ def test_too_many_unsent_changes_fall_back_to_one_resync(fresh_redis) -> None:
     Redis is frozen (SIGSTOP), not down: the publisher's batch waits (``write_timeout_s`` is
     long) instead of failing, so no error can be what causes the resync; only the overflow
     can. Heartbeats are spaced out so that the batch is the publisher's only round trip."""
-    engine = Engine(tiny(num_blocks=48))
+    engine = build_engine(tiny(num_blocks=48))
     index = index_for(
         fresh_redis,
         write_timeout_s=30.0,
@@ -294,7 +295,7 @@ def test_queries_answer_unknown_quickly_when_redis_is_down_or_slow(fresh_redis) 
 
 
 def test_a_keyed_index_stores_only_keyed_hashes(fresh_redis) -> None:
-    engine = Engine(tiny(hash_secret="cluster-secret"))
+    engine = build_engine(tiny(hash_secret="cluster-secret"))
     index = index_for(fresh_redis)
     publisher = IndexPublisher(index.writer, "replica-0").start()
     engine.subscribe(publisher.on_events)
@@ -322,14 +323,14 @@ def test_bookings_from_two_routers_add_up_and_release_exactly(fresh_redis) -> No
         seen = []
         await first.reader.abook(Booking("r0", "q1", 100, 10, H[:3]), 5.0, 60.0)
         await second.reader.abook(Booking("r0", "q2", 50, 5, H[:1]), 5.0, 60.0)
-        seen.append(second.reader.query(H[:4]))
+        seen.append(second.reader.query(H[:4]).as_dict())
         await first.reader.aprefill_done("r0", "q1")  # its first token: no longer prefill
-        seen.append(first.reader.query(H[:4]))
+        seen.append(first.reader.query(H[:4]).as_dict())
         await second.reader.arelease("r0", "q1")
         await first.reader.arelease("r0", "q1")  # a second release changes nothing
-        seen.append(first.reader.query(H[:4]))
+        seen.append(first.reader.query(H[:4]).as_dict())
         await first.reader.arelease("r0", "q2")
-        seen.append(second.reader.query(H[:4]))
+        seen.append(second.reader.query(H[:4]).as_dict())
         return seen
 
     booked, prefilled, released, empty = asyncio.run(scenario())
@@ -349,13 +350,13 @@ def test_a_lost_release_and_a_prediction_expire(fresh_redis) -> None:
     async def scenario() -> tuple[ReplicaState, ReplicaState]:
         # its ingress dies: no release will ever come for "lost"
         await index.reader.abook(Booking("r0", "lost", 64, 4, H[:6]), 0.3, 0.3)
-        before = index.reader.query(H[:6])["r0"]
+        before = index.reader.query(H[:6]).state_of("r0")
         deadline = time.monotonic() + 10
-        while index.reader.query(H[:6])["r0"].predicted_blocks:  # expire by Redis' clock
+        while index.reader.query(H[:6]).state_of("r0").predicted_blocks:  # expire by Redis' clock
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
         await index.reader.abook(Booking("r0", "next", 32, 2, H[:1]), 60.0, 60.0)
-        return before, index.reader.query(H[:6])["r0"]
+        return before, index.reader.query(H[:6]).state_of("r0")
 
     before, after = asyncio.run(scenario())
     assert before == state("r0", 2, 6, 2, 64, 1, 4)
@@ -394,9 +395,9 @@ def test_an_evicted_block_is_no_longer_predicted_on_its_replica(fresh_redis) -> 
         await index.reader.abook(Booking("r1", "q1", 64, 4, H[:4]), 60.0, 60.0)
 
     asyncio.run(book())
-    assert index.reader.query(H[:4])["r0"].predicted_blocks == 4
+    assert index.reader.query(H[:4]).state_of("r0").predicted_blocks == 4
     index.writer.publish("r0", "e", [], removed=H[2:4])  # evicted
-    answer = index.reader.query(H[:4])
+    answer = index.reader.query(H[:4]).as_dict()
     assert (answer["r0"].cached_blocks, answer["r0"].predicted_blocks) == (2, 2)
     assert answer["r1"].predicted_blocks == 4
     left = fresh_redis_members(fresh_redis, f"{index.namespace}:pr:r0")
@@ -407,7 +408,7 @@ def test_an_evicted_block_is_no_longer_predicted_on_its_replica(fresh_redis) -> 
     sim.book(Booking("r0", "q0", 0, 4, H[:4]), 0.0)
     sim.book(Booking("r1", "q1", 64, 4, H[:4]), 0.0)
     sim.listener("r0")(CacheEvents((), tuple(H[2:4])))
-    simulated = sim.query(H[:4], ["r0", "r1"], 1.0)
+    simulated = sim.query(H[:4], ["r0", "r1"], 1.0).as_dict()
     for rid in ("r0", "r1"):
         assert (simulated[rid].cached_blocks, simulated[rid].predicted_blocks) == (
             answer[rid].cached_blocks,

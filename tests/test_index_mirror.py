@@ -20,7 +20,7 @@ from kvindex.hashing import BlockHasher
 from kvindex.mirror import SNAPSHOT_CHUNK, IndexMirror
 from kvindex.mirror.state import MirrorState
 from kvindex.reader import IndexReader
-from kvindex.records import Booking, RoutingRequest
+from kvindex.records import Booking, Load, RoutingRequest
 from kvindex.writer import IndexWriter
 from router.config import make_policy, routing_config
 from router.core import RoutingCore
@@ -74,7 +74,7 @@ def followed(index: Index, seed: int, steps: int) -> IndexMirror:
 
 def assert_same(mirror: IndexMirror, index: Index) -> None:
     for chain in CHAINS + [CHAINS[0][:1], []]:
-        assert mirror.query(chain) == index.reader.query(chain), chain[:1]
+        assert mirror.query(chain).as_dict() == index.reader.query(chain).as_dict(), chain[:1]
     mirror.state.check()
 
 
@@ -131,10 +131,10 @@ def test_a_dead_replica_drops_out_with_its_heartbeat_and_its_blocks_with_the_rea
         IndexWriter(short, MODEL).publish(rid, "e", CHAINS[0])
     mirror = index.mirror()
     caught_up(mirror, index)
-    assert set(mirror.query(CHAINS[0])) == {"dying", "alive"}
+    assert set(mirror.query(CHAINS[0]).ids) == {"dying", "alive"}
     time.sleep(1.6)
     caught_up(mirror, index)
-    assert set(mirror.query(CHAINS[0])) == {"alive"} == set(index.reader.query(CHAINS[0]))
+    assert set(mirror.query(CHAINS[0]).ids) == {"alive"} == set(index.reader.query(CHAINS[0]).ids)
     assert index.writer.reap() == 1
     caught_up(mirror, index)
     assert mirror.state.blocks_held("dying") == 0
@@ -181,7 +181,7 @@ def test_redis_restarted_empty_and_rebuilt(fresh_redis) -> None:
             mirror.step()  # the old connection
     index = Index(fresh_redis.url)
     caught_up(mirror, index)
-    assert mirror.query(CHAINS[0]) == {} and mirror.counters.restarts == 1
+    assert len(mirror.query(CHAINS[0])) == 0 and mirror.counters.restarts == 1
     # when it synced again: what a restarted router's convergence is timed by (faults)
     assert first_synced is not None and first_synced < mirror.synced_at <= time.time()
     random_changes(index, random.Random(8), 60)  # the replicas register and publish again
@@ -220,7 +220,7 @@ def test_mirror_state_slots_are_reused_only_after_a_purge() -> None:
     state.apply({b"o": b"dereg", b"r": b"a", b"a": b"", b"b": b""})
     state.add("b", [os.urandom(16)])  # takes a's slot, which holds nothing any more
     state.set_live(["b"])
-    assert state.answer([block], 0.0)["b"].cached_blocks == 0
+    assert state.answer([block], 0.0).state_of("b").cached_blocks == 0
     state.check()
 
 
@@ -235,27 +235,28 @@ def test_routers_see_each_others_shared_bookings_until_they_lapse(fresh_redis) -
         name: caught_up(IndexMirror(index.config, MODEL, 10, name, live_poll_s=0.0), index)
         for name in ("a", "b")
     }
-    share = index.reader.ashare("a", 0.5, {"r0": (100, 2, 9)}, [("r1", CHAINS[1][:4])], 30.0)
+    share = index.reader.ashare("a", 0.5, {"r0": Load(100, 2, 9)}, [("r1", CHAINS[1][:4])], 30.0)
     assert index.run(share)
     for mirror in mirrors.values():
         caught_up(mirror, index)
-    seen_by_b, seen_by_a = mirrors["b"].query(CHAINS[1]), mirrors["a"].query(CHAINS[1])
-    assert (seen_by_b["r0"].booked_prefill_tokens, seen_by_b["r0"].in_flight) == (100, 2)
-    assert seen_by_b["r0"].booked_decode_blocks == 9
+    seen_by_b = mirrors["b"].query(CHAINS[1]).as_dict()
+    seen_by_a = mirrors["a"].query(CHAINS[1]).as_dict()
+    assert (seen_by_b["r0"].prefill_tokens, seen_by_b["r0"].in_flight) == (100, 2)
+    assert seen_by_b["r0"].decode_blocks == 9
     assert seen_by_a["r0"].in_flight == 0  # its own: the router counts those itself
     assert (mirrors["b"].state.shared_in_flight, mirrors["a"].state.shared_in_flight) == (2, 0)
     assert seen_by_a["r1"].predicted_blocks == seen_by_b["r1"].predicted_blocks == 4
-    again = index.reader.ashare("a", 0.5, {"r1": (5, 1, 1)}, [], 30.0)  # replaces the last
+    again = index.reader.ashare("a", 0.5, {"r1": Load(5, 1, 1)}, [], 30.0)  # replaces the last
     assert index.run(again)
     caught_up(mirrors["b"], index)
-    answer = mirrors["b"].query(CHAINS[1])
+    answer = mirrors["b"].query(CHAINS[1]).as_dict()
     assert (answer["r0"].in_flight, answer["r1"].in_flight) == (0, 1)
     late = caught_up(IndexMirror(index.config, MODEL, 10, "c", live_poll_s=0.0), index)
-    assert late.query(CHAINS[1])["r1"].in_flight == 1  # a new router's snapshot has it
+    assert late.query(CHAINS[1]).state_of("r1").in_flight == 1  # a new router's snapshot has it
     time.sleep(0.6)  # a's share lapses: it stopped sharing (died)
     for mirror in (mirrors["b"], late):
         caught_up(mirror, index)
-        assert mirror.query(CHAINS[1])["r1"].in_flight == 0
+        assert mirror.query(CHAINS[1]).state_of("r1").in_flight == 0
         assert mirror.state.shared_in_flight == 0  # what an ingress's admission reads
 
 
@@ -265,10 +266,10 @@ def test_a_router_stopping_cleanly_withdraws_its_shared_bookings_at_once(fresh_r
     index = Index(fresh_redis.url)
     index.writer.register("r0", "e")
     other = caught_up(IndexMirror(index.config, MODEL, 10, "b", live_poll_s=0.0), index)
-    assert index.run(index.reader.ashare("a", 60.0, {"r0": (100, 2, 9)}, [], 30.0))
-    assert caught_up(other, index).query(CHAINS[0])["r0"].in_flight == 2
+    assert index.run(index.reader.ashare("a", 60.0, {"r0": Load(100, 2, 9)}, [], 30.0))
+    assert caught_up(other, index).query(CHAINS[0]).state_of("r0").in_flight == 2
     assert index.reader.unshare("a")
-    assert caught_up(other, index).query(CHAINS[0])["r0"].in_flight == 0
+    assert caught_up(other, index).query(CHAINS[0]).state_of("r0").in_flight == 0
     assert other.state.shared_in_flight == 0
     ns = index.reader.namespace
     assert not index.client.exists(f"{ns}:rl:a") and not index.client.hexists(f"{ns}:routers", "a")
@@ -333,26 +334,27 @@ def test_a_router_alone_shares_once_a_heartbeat_and_fast_once_another_shares(
     )
     assert router.mirror.wait_for(0, timeout_s=10)
     shares = []
-    real_share = router.share
+    channel = router.channel
+    real_share = channel.share
 
     async def counted() -> int:
         shares.append(time.monotonic())
         return await real_share()
 
-    router.share = counted  # type: ignore[method-assign]
+    channel.share = counted  # type: ignore[method-assign]
 
     async def drive(seconds: float) -> int:
         before, end = len(shares), time.monotonic() + seconds
         while time.monotonic() < end:
-            router._share_due = True  # bookings change all the time
+            router.channel.due()  # bookings change all the time
             await asyncio.sleep(0.005)
         return len(shares) - before
 
     async def both() -> tuple[int, int]:
-        loop = asyncio.create_task(router._share_loop())
+        loop = asyncio.create_task(channel._share_loop())
         alone = await drive(1.0)
         other = IndexReader(config, MODEL)
-        assert await other.ashare("other-router", 30.0, {"r0": (1, 1, 1)}, [], 5.0)
+        assert await other.ashare("other-router", 30.0, {"r0": Load(1, 1, 1)}, [], 5.0)
         deadline = time.monotonic() + 5
         while not router.mirror.state.shares and time.monotonic() < deadline:
             await asyncio.sleep(0.01)

@@ -22,11 +22,12 @@ from chat_prompts import SHARING_THE_SYSTEM_PROMPT, chat_prompts, encode
 
 from bench.assistant_prompts import SUPPORT_SYSTEM_PROMPT
 from replica.checkpoints import SMOLLM2, checkpoint_for
-from replica.engine import Engine, EngineConfig, SamplingParams
-from replica.engine.scheduler import ScheduledBatch
+from replica.config import EngineConfig
+from replica.engine.engine import Engine
+from replica.engine.step import ScheduledBatch
 from replica.model.cpu import resolve_dtype
 from replica.model.runner import ModelRunner
-from replica.sampling.params import StructuredOutput
+from replica.sampling.params import SamplingParams, StructuredOutput
 from replica.store.layout import StoreGeometry, fingerprint
 from replica.store.node_store import NodeStore
 from replica.store.tier import StoreTier

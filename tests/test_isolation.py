@@ -41,10 +41,10 @@ from bench.harness.private_ray import PrivateRay
 from bench.harness.redis_server import LocalRedis, free_ports, quiet_ports
 from cluster.config import ClusterArgs
 from kvindex.config import IndexConfig
-from kvindex.pulls import PullConfig
 from kvindex.reader import IndexReader
-from kvindex.stored import StoreConfig
 from replica.checkpoints import checkpoint_for
+from replica.pull_config import PullConfig
+from replica.store.config import StoreConfig
 from router.config import routing_config
 
 
@@ -102,7 +102,8 @@ def published(cluster: ServeCluster, system: str, question: str, holder: str) ->
     reader = IndexReader(watch, cluster.args.engine.model_id)
 
     def held() -> int:
-        state = (reader.query(chain) or {}).get(holder)
+        answer = reader.query(chain)
+        state = answer.state_of(holder) if answer is not None else None
         return (state.cached_blocks or 0) if state is not None else 0
 
     deadline = time.monotonic() + 10

@@ -9,8 +9,9 @@ import numpy as np
 
 from bench.sim.peer_policies import DynamoKV, RayPrefixSim, SGLangCacheAware
 from kvindex.hashing import BlockHasher
-from kvindex.pulls import PullConfig, with_pullable
+from kvindex.pulls import with_pullable
 from kvindex.records import ReplicaState, ReplicaTable, RoutingRequest
+from replica.pull_config import PullConfig
 from router.config import make_policy, routing_config
 from router.core import RoutingCore
 from router.policies import (
@@ -191,7 +192,7 @@ def test_prefill_cost_is_prompt_left_plus_booked_prefill_plus_decodes() -> None:
     policy = cost_policy(decode_cost_tokens=10)
     req = request(7, num_blocks=8, extra=5)  # 133 tokens; at most 128 can be cached
     replicas = [
-        state("a", cached_blocks=8, in_flight=2, booked_prefill_tokens=100),
+        state("a", cached_blocks=8, in_flight=2, prefill_tokens=100),
         state("b", predicted_blocks=3, in_flight=1),  # booked by a recent decision
         state("c", cached_blocks=2, predicted_blocks=5),  # held = the longer of the two
     ]
@@ -208,12 +209,12 @@ def test_prefill_cost_sticks_to_the_holder_within_its_budget_then_spills() -> No
     idle = [state("a", cached_blocks=8), state("b"), state("c")]
     assert policy.rank(req, idle)[0] == "a"
     # a is dearer by 128 + 100 - 128 = 100 < 200: it keeps the prompt
-    busy = [state("a", cached_blocks=8, booked_prefill_tokens=228), state("b"), state("c")]
+    busy = [state("a", cached_blocks=8, prefill_tokens=228), state("b"), state("c")]
     assert policy.rank(req, busy)[0] == "a" and policy.explain().startswith("prefill_cost sticky")
     # dearer by 500 - 128 + 5 - 133 = 244 > 200: it spills to the cheapest, a hot prompt
     # is now booked (predicted) on a second replica
     hot = [
-        state("a", cached_blocks=8, booked_prefill_tokens=500),
+        state("a", cached_blocks=8, prefill_tokens=500),
         state("b"),
         state("c", in_flight=1),
     ]
@@ -234,8 +235,8 @@ def test_a_new_prefix_goes_to_the_least_recent_work_among_the_near_cheapest() ->
     policy = worked(cost_policy(decode_cost_tokens=0, new_prefix_slack=1.0), a=500, b=40, c=90)
     replicas = [
         state("a"),
-        state("b", booked_prefill_tokens=300),  # did little but too busy now
-        state("c", booked_prefill_tokens=40),  # within one prefill
+        state("b", prefill_tokens=300),  # did little but too busy now
+        state("c", prefill_tokens=40),  # within one prefill
     ]
     assert policy.rank(req, replicas)[0] == "c"
     assert policy.explain().startswith("prefill_cost new prefix: c")
@@ -251,7 +252,7 @@ def test_a_routed_prefix_brings_its_work_so_new_prefixes_spread_by_work_done() -
     recorded where it went, so idle replicas take new prefixes in turn of work done, not
     of whichever a tie favours (a conversation placed there brings its later turns)."""
     core = RoutingCore(cost_policy(decode_cost_tokens=0))
-    idle = [state(r) for r in "abcd"]
+    idle = ReplicaTable.of([state(r) for r in "abcd"])
     placed = []
     for seed in range(40, 48):
         req = replace(request(seed, num_blocks=4), max_tokens=10)
@@ -261,7 +262,7 @@ def test_a_routed_prefix_brings_its_work_so_new_prefixes_spread_by_work_done() -
     assert sorted(placed) == sorted("abcd" * 2)  # equal work: each took two
     # b did more (a long prompt): the next two new prefixes go elsewhere
     long = replace(request(50, num_blocks=40), max_tokens=10)
-    core.routed(core.decide(long, [state("b"), state("a")]), "b")
+    core.routed(core.decide(long, ReplicaTable.of([state("b"), state("a")])), "b")
     for seed in (60, 61):
         assert core.decide(request(seed, num_blocks=4), idle).ranking[0] != "b"
 
@@ -275,7 +276,7 @@ def test_a_held_template_head_does_not_pull_every_new_prefix_onto_one_replica() 
     assert policy.rank(req, replicas)[0] == "b"
     assert policy.explain() == "prefill_cost new prefix: b b=69 a=53"
     # but load still decides first: b busier by one token loses to a
-    replicas[1] = state("b", booked_prefill_tokens=1)
+    replicas[1] = state("b", prefill_tokens=1)
     assert policy.rank(req, replicas)[0] == "a"
 
 
@@ -290,9 +291,9 @@ def test_a_prompt_whose_tail_was_evicted_keeps_its_lead_beyond_a_shared_head() -
     assert lead_credit(req, ReplicaTable.of(replicas).held).tolist() == [32, 0]
     assert policy.rank(req, replicas)[0] == "a"  # though a did far more recent work
     assert policy.explain() == "prefill_cost new prefix: a a=85 b=117"
-    replicas[0] = state("a", cached_blocks=3, booked_prefill_tokens=31)
+    replicas[0] = state("a", cached_blocks=3, prefill_tokens=31)
     assert policy.rank(req, replicas)[0] == "a"  # load 133 + 31 - 32 = 132 < b's 133
-    replicas[0] = state("a", cached_blocks=3, booked_prefill_tokens=32)
+    replicas[0] = state("a", cached_blocks=3, prefill_tokens=32)
     assert policy.rank(req, replicas)[0] == "b"  # level: recent work decides, b did less
     # no other replica keeps any of it: the lead is a head's, and earns nothing
     replicas = [state("a", cached_blocks=3), state("b")]
@@ -364,9 +365,9 @@ def test_sglang_model_spills_only_past_both_balance_limits() -> None:
 def test_dynamo_model_costs_prefill_blocks_after_overlap_plus_decode_blocks() -> None:
     req = request(15, num_blocks=8, extra=0)  # 128 tokens = 8 blocks
     replicas = [
-        state("a", cached_blocks=8, booked_decode_blocks=20),  # 0 + 20
-        state("b", booked_prefill_tokens=64),  # (64 + 128) / 16 = 12
-        state("c", predicted_blocks=6, booked_decode_blocks=5),  # 2 + 5
+        state("a", cached_blocks=8, decode_blocks=20),  # 0 + 20
+        state("b", prefill_tokens=64),  # (64 + 128) / 16 = 12
+        state("c", predicted_blocks=6, decode_blocks=5),  # 2 + 5
     ]
     assert DynamoKV().rank(req, replicas) == ["c", "b", "a"]
 
@@ -425,9 +426,9 @@ def test_prefill_cost_serves_a_single_replica_and_measures_against_the_cheapest(
     assert policy.rank(req, [state("a", cached_blocks=8)]) == ["a"]
     # a costs 400 + 5: 272 over the cheapest (b), within 200 of the second (c, 233)
     replicas = [
-        state("a", cached_blocks=8, booked_prefill_tokens=400),
+        state("a", cached_blocks=8, prefill_tokens=400),
         state("b"),
-        state("c", booked_prefill_tokens=100),
+        state("c", prefill_tokens=100),
     ]
     assert policy.rank(req, replicas) == ["b", "c", "a"]
 
@@ -438,13 +439,13 @@ def test_prefill_cost_edges_of_hit_stickiness_and_slack_are_inclusive() -> None:
     policy = cost_policy(decode_cost_tokens=0, sticky_budget_tokens=200)
     # two holders of the whole prompt: the cheaper one is the holder
     twins = [
-        state("a", cached_blocks=8, booked_prefill_tokens=100),
+        state("a", cached_blocks=8, prefill_tokens=100),
         state("b", cached_blocks=8),
         state("c"),
     ]
     assert policy.rank(req, twins) == ["b", "a", "c"]
     # the holder exactly sticky_budget_tokens dearer than the cheapest keeps the prompt
-    edge = [state("a", cached_blocks=8, booked_prefill_tokens=328), state("b"), state("c")]
+    edge = [state("a", cached_blocks=8, prefill_tokens=328), state("b"), state("c")]
     assert policy.rank(req, edge) == ["a", "b", "c"]
     assert policy.explain() == "prefill_cost sticky: a a=333 b=133 c=133"
     short = request(9, num_blocks=4)  # 69 tokens, 64 usable: a hit needs 32 cached
@@ -452,7 +453,7 @@ def test_prefill_cost_edges_of_hit_stickiness_and_slack_are_inclusive() -> None:
     half = [state("a", cached_blocks=2), state("b")]
     assert slack.rank(short, half)[0] == "a"  # exactly half held: a hit, not a new prefix
     # a new prefix: b, exactly one prefill (69) dearer than a, is near enough, and did less
-    near = [state("a"), state("b", booked_prefill_tokens=69)]
+    near = [state("a"), state("b", prefill_tokens=69)]
     assert slack.rank(short, near)[0] == "b"
     assert slack.explain() == "prefill_cost new prefix: b b=138 a=69"
 
@@ -491,7 +492,7 @@ def test_the_explanation_is_the_name_before_any_decision_and_counts_the_unlisted
     """explain() is the name before any ranking, and then counts the replicas it leaves out."""
     policy = cost_policy(decode_cost_tokens=0)
     assert policy.explain() == "prefill_cost"
-    replicas = [state(f"r{i}", booked_prefill_tokens=i) for i in range(10)]
+    replicas = [state(f"r{i}", prefill_tokens=i) for i in range(10)]
     assert policy.rank(request(3), replicas)[:8] == [f"r{i}" for i in range(8)]
     listed = " ".join(f"r{i}={133 + i}" for i in range(8))
     assert policy.explain() == f"prefill_cost new prefix: r0 {listed} (+2 more)"

@@ -11,8 +11,10 @@ from bench.experiments.simulate import sim_policy, split_pull
 from bench.sim.cost_model import CostModel
 from bench.sim.simulator import Simulation
 from bench.workloads import WorkloadSpec, make_trace, oracle_hit_rate
-from kvindex.pulls import PullConfig, pull_price, pull_source, pulled_tokens, with_pullable
+from kvindex.pulls import pull_price, pull_source, pulled_tokens, with_pullable
+from kvindex.records import ReplicaTable
 from replica.checkpoints.tokenizer import ByteTokenizer
+from replica.pull_config import PullConfig
 from router.config import make_policy, routing_config
 from router.core import RoutingCore
 from router.prefill_cost import CostKnobs, PrefillCost
@@ -60,11 +62,11 @@ def test_a_pull_is_priced_not_charged_as_a_prefill() -> None:
 def test_with_pulls_a_busy_holder_loses_the_overflow_to_an_idle_replica_early() -> None:
     req = request(3, num_blocks=32, extra=5)  # 517 tokens
     knobs = {"decode_cost_tokens": 16, "sticky_budget_tokens": 512}
-    busy = with_pullable([state("a", cached_blocks=32, booked_prefill_tokens=400), state("b")])
+    busy = with_pullable([state("a", cached_blocks=32, prefill_tokens=400), state("b")])
     assert PrefillCost(CostKnobs(**knobs)).rank(req, busy)[0] == "a"  # recomputing is dearer
     pulling = PrefillCost(CostKnobs(**knobs, pull=PULL))
     assert pulling.rank(req, busy)[0] == "a"  # 400 + 5 vs 5 + 46: within the budget
-    busier = with_pullable([state("a", cached_blocks=32, booked_prefill_tokens=600), state("b")])
+    busier = with_pullable([state("a", cached_blocks=32, prefill_tokens=600), state("b")])
     assert pulling.rank(req, busier)[0] == "b"
     assert pulling.explain().startswith("prefill_cost spill")
     assert PrefillCost(CostKnobs(**knobs)).rank(req, busier)[0] == "a"
@@ -72,7 +74,7 @@ def test_with_pulls_a_busy_holder_loses_the_overflow_to_an_idle_replica_early() 
 
 def test_the_core_credits_pulled_tokens_and_books_only_what_is_computed() -> None:
     req = request(4, num_blocks=8, extra=5)
-    answer = {"a": state("a", cached_blocks=8), "b": state("b")}
+    answer = ReplicaTable.of([state("a", cached_blocks=8), state("b")])
     for pulls, booked in ((None, 133), (PULL, 5)):
         core = RoutingCore(make_policy(routing_config(policy="round_robin")), pulls=pulls)
         states = core.states(["a", "b"], answer, req.block_hashes)

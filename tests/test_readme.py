@@ -12,8 +12,8 @@ from pydantic import BaseModel
 from bench.__main__ import EXPERIMENTS
 from cluster.config import Autoscaling, ClusterArgs
 from kvindex.config import IndexConfig
-from kvindex.stored import StoreConfig
 from replica.config import EngineConfig
+from replica.store.config import StoreConfig
 from router.config import SECTIONS
 
 ROOT = Path(__file__).resolve().parent.parent

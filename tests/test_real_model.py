@@ -18,9 +18,11 @@ from transformers import LlamaForCausalLM as HFLlama
 
 from replica.checkpoints import SMOLLM2, checkpoint_for
 from replica.checkpoints.hf import hf_config
-from replica.engine import Engine, EngineConfig, SamplingParams
-from replica.engine.scheduler import ScheduledBatch
+from replica.config import EngineConfig
+from replica.engine.engine import Engine
+from replica.engine.step import ScheduledBatch
 from replica.model.runner import ModelRunner
+from replica.sampling.params import SamplingParams
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)

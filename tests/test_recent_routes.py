@@ -47,7 +47,7 @@ def test_without_the_index_a_prompt_follows_where_this_router_sent_it() -> None:
     request = RoutingRequest("q", chain, b"key", 70, 16)
     replicas = [
         ReplicaState("r0"),
-        ReplicaState("r1", booked_prefill_tokens=40, predicted_blocks=held.get("r1", 0)),
+        ReplicaState("r1", prefill_tokens=40, predicted_blocks=held.get("r1", 0)),
     ]
     policy = PrefillCost(CostKnobs(decode_cost_tokens=0))
     assert policy.rank(request, replicas)[0] == "r1"

@@ -27,14 +27,14 @@ from bench.sim.simulator import Simulation, _Pending
 from bench.workloads import TraceRequest
 from kvindex.config import IndexConfig
 from kvindex.hashing import BlockHasher
-from kvindex.records import Booking, ReplicaTable, RoutingRequest, TableAnswer
+from kvindex.records import Booking, ReplicaTable, RoutingRequest
 from kvindex.writer import IndexWriter
-from replica.engine.prefix_cache import CacheEvents
+from replica.engine.blocks.prefix_cache import CacheEvents
 from router import routing_stats
 from router.config import make_policy, routing_config
 from router.core import Decision, RoutingCore
-from router.queue_lengths import QueueLengths
-from router.serve_router import PrefixAwareRequestRouter
+from router.serve.queue_lengths import QueueLengths
+from router.serve.router import PrefixAwareRequestRouter
 
 MODEL = "tiny-llama-6m"
 REPLICAS = ["sim-0000", "sim-0001", "sim-0002"]
@@ -54,12 +54,16 @@ def requests() -> list[tuple[RoutingRequest, list[int]]]:
 
 
 class Recorder:
-    """Wraps a core's ``decide`` and ``routed``, keeping what they returned."""
+    """Wraps a core's ``decide`` and ``routed``, keeping what they returned, and the merge
+    steps every ``states`` call took (``path``)."""
 
     def __init__(self, core: RoutingCore) -> None:
         self.decisions: list[Decision] = []
         self.bookings: list[Booking] = []
+        self.path: list[str] = []
         decide, routed = core.decide, core.routed
+        for step in ("_unknown", "_taken", "_added"):
+            self._trace(core, step)
 
         def record_decide(*args: Any) -> Decision:
             self.decisions.append(decide(*args))
@@ -70,6 +74,16 @@ class Recorder:
             return self.bookings[-1]
 
         core.decide, core.routed = record_decide, record_routed  # type: ignore[method-assign]
+
+    def _trace(self, core: RoutingCore, step: str) -> None:
+        method = getattr(core, step)
+
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            answer = method(*args, **kwargs)
+            self.path.append(f"{step}:{type(args[0]).__name__}")
+            return answer
+
+        setattr(core, step, traced)
 
 
 @dataclass(frozen=True)
@@ -114,7 +128,7 @@ def serve_side(redis: LocalRedis, cluster: str, mirror: bool) -> Recorder:
             ranked = await router.choose_replicas(candidates, pending)  # type: ignore[arg-type]
             first = ranked[0][0].replica_id
             router.on_request_routed(pending, first, None)  # type: ignore[arg-type]
-            await asyncio.gather(*router._tasks)  # the booking is in Redis before the next
+            await asyncio.gather(*router.channel.tasks)  # the booking in Redis before the next
             if mirror:  # and shared, and in the mirror (the share loop would, within 20 ms)
                 assert router.mirror.wait_for(await router.share())
 
@@ -144,6 +158,9 @@ def test_the_serve_router_and_the_simulator_make_the_same_decisions(fresh_redis,
         assert ours.ranking == theirs.ranking
         assert ours.credits == theirs.credits
     assert serve.bookings == sim.bookings
+    # one merge path, whatever answered (Redis, a mirror, the simulator's index): the
+    # answer's table taken for the candidates, then this router's bookings added
+    assert serve.path == sim.path == ["_taken:ReplicaTable", "_added:ReplicaTable"] * 12
     # and the case is not trivial: hits, a spread of first choices, credits that differ
     assert len({b.replica_id for b in serve.bookings}) >= 2
     assert any(b.prefill_tokens < 40 for b in serve.bookings)
@@ -211,7 +228,7 @@ def test_a_mirror_that_knows_no_replica_yet_answers_zeros_for_each_candidate() -
     assert taken.ids == REPLICAS and not taken.column("cached_blocks").any()
     core = RoutingCore(make_policy(routing_config(policy="prefill_cost")))
     route, _ = requests()[0]
-    states = core.states(REPLICAS, TableAnswer(empty), route.block_hashes)
+    states = core.states(REPLICAS, empty, route.block_hashes)
     assert sorted(core.decide(route, states).ranking) == REPLICAS
 
 

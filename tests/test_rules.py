@@ -21,10 +21,10 @@ from cluster.request_builder import RequestBuilder
 from kvindex.config import IndexConfig
 from kvindex.reader import IndexReader
 from kvindex.records import RoutingRequest
-from replica.engine import Engine, SamplingParams
-from replica.engine.sequence import Sequence
 from replica.messages import EngineRequest
-from replica.sampling.sampler import Sampler, position_seed
+from replica.model.runner import build_engine
+from replica.sampling.params import SamplingParams
+from replica.sampling.sampler import Sampler, SampleRow, position_seed
 from router.config import make_policy, routing_config
 from router.core import RoutingCore
 from router.recent_routes import RecentRoutes
@@ -33,10 +33,9 @@ LOGITS = torch.tensor([2.0, 1.0, 0.0, -1.0])
 DRAWS = 4000
 
 
-def seq(params: SamplingParams, output: list[int] = (), rid: str = "r") -> Sequence:
-    s = Sequence(rid, [3], params, None, 0.0)  # a prompt of the least likely token
-    s.token_ids += list(output)
-    return s
+def seq(params: SamplingParams, output: list[int] = (), rid: str = "r") -> SampleRow:
+    """One row to sample: a prompt of the least likely token, then ``output``."""
+    return SampleRow(rid, params, [3, *output], num_prompt_tokens=1)
 
 
 def frequencies(params: SamplingParams, logits: torch.Tensor = LOGITS) -> torch.Tensor:
@@ -104,7 +103,7 @@ def test_a_resumed_request_counts_its_delivered_tokens_as_output() -> None:
     """Resuming (what failover sends): the delivered tokens are output, so ``max_tokens``,
     usage and the sampler's positions go on where they stopped, and the rest of the
     stream is what the request alone would have produced."""
-    engine = Engine(tiny(num_blocks=128))
+    engine = build_engine(tiny(num_blocks=128))
     prompt = list(range(40, 70))
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)
     (whole,) = engine.generate([prompt], params)
@@ -196,8 +195,7 @@ class OnlyToken:
 
 def test_the_grammar_mask_decides_the_token_and_logprobs_stay_raw() -> None:
     """A grammar's mask decides the token, and its logprob is still the raw log-softmax."""
-    s = seq(SamplingParams(temperature=0.0, logprobs=0))
-    s.grammar = OnlyToken(2)
+    s = replace(seq(SamplingParams(temperature=0.0, logprobs=0)), grammar=OnlyToken(2))
     (out,) = Sampler(seed=0).sample(LOGITS.unsqueeze(0), [s])
     assert out.token_id == 2
     assert out.logprob is not None
@@ -208,8 +206,7 @@ def test_a_greedy_row_with_a_grammar_is_masked_not_taken_from_the_plain_argmax()
     """Greedy rows without logprobs or processing take a batched argmax: never one with a
     grammar, whose mask must still decide the token."""
     assert int(LOGITS.argmax()) != 2
-    s = seq(SamplingParams(temperature=0.0))
-    s.grammar = OnlyToken(2)
+    s = replace(seq(SamplingParams(temperature=0.0)), grammar=OnlyToken(2))
     (out,) = Sampler(seed=0).sample(LOGITS.unsqueeze(0), [s])
     assert out.token_id == 2
 
@@ -245,15 +242,15 @@ def test_a_released_booking_leaves_no_load_behind() -> None:
     booking = core.routed(core.decide(request, states), "r1")
     assert booking.prefill_tokens == 100 and len(core.bookings) == 1
     (r1,) = [s for s in core.states(["r1"], None, []) if s.replica_id == "r1"]
-    assert (r1.in_flight, r1.booked_prefill_tokens) == (1, 100)
-    assert r1.booked_decode_blocks == request.decode_blocks
+    assert (r1.in_flight, r1.prefill_tokens) == (1, 100)
+    assert r1.decode_blocks == request.decode_blocks
     core.prefill_done("a")  # the prompt no longer loads it; the request still does
     (r1,) = core.states(["r1"], None, [])
-    assert (r1.in_flight, r1.booked_prefill_tokens) == (1, 0)
+    assert (r1.in_flight, r1.prefill_tokens) == (1, 0)
     assert core.release("a", "r2") is None  # a late callback of another attempt: kept
     assert core.release("a", "r1") == replace(booking, prefill_tokens=0)
     (r1,) = core.states(["r1"], None, [])
-    assert (r1.in_flight, r1.booked_prefill_tokens, r1.booked_decode_blocks) == (0, 0, 0)
+    assert (r1.in_flight, r1.prefill_tokens, r1.decode_blocks) == (0, 0, 0)
     assert len(core.bookings) == 0
 
 

@@ -10,10 +10,11 @@ import pytest
 import torch
 from conftest import tiny
 
-from replica.engine import Engine, SamplingParams
-from replica.engine.scheduler import ScheduledBatch
-from replica.model.runner import ModelRunner
+from replica.engine.engine import Engine
+from replica.engine.step import ScheduledBatch
+from replica.model.runner import ModelRunner, build_engine
 from replica.sampling.logits_processing import process_logits
+from replica.sampling.params import SamplingParams
 from replica.sampling.sampler import token_logprobs
 
 PROMPT = [256, *b"The forecast for tomorrow says"]  # 31 tokens: a partial last block
@@ -76,13 +77,13 @@ def test_zero_logprobs_report_the_token_with_an_empty_tuple_of_alternatives() ->
 
 def test_n_choices_share_one_prefill_and_equal_separate_seeded_requests() -> None:
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=7, n=4, ignore_eos=True)
-    engine = Engine(tiny())
+    engine = build_engine(tiny())
     outs = engine.generate_choices(PROMPT, params)
     assert [o.index for o in outs] == [0, 1, 2, 3]
     # one prefill of the prompt, then 11 decode tokens per choice
     assert engine.stats().computed_tokens == len(PROMPT) + 4 * 11
     separate = [
-        Engine(tiny()).generate([PROMPT], params.for_choice(i))[0].token_ids for i in range(4)
+        build_engine(tiny()).generate([PROMPT], params.for_choice(i))[0].token_ids for i in range(4)
     ]
     assert [o.token_ids for o in outs] == separate
     assert len({tuple(o.token_ids) for o in outs}) == 4
@@ -92,8 +93,8 @@ def test_n_choices_share_one_prefill_and_equal_separate_seeded_requests() -> Non
 
 def test_choices_survive_a_pool_with_no_block_for_the_copy() -> None:
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=3, ignore_eos=True)
-    engine = Engine(tiny(num_blocks=4, block_size=16))  # 2 for the prompt, 2 left
-    reference = Engine(tiny()).generate_choices(PROMPT, params)
+    engine = build_engine(tiny(num_blocks=4, block_size=16))  # 2 for the prompt, 2 left
+    reference = build_engine(tiny()).generate_choices(PROMPT, params)
     outs = engine.generate_choices(PROMPT, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
     engine.check_invariants()
@@ -131,7 +132,7 @@ def test_logprobs_are_the_raw_log_softmax_at_each_sampled_token() -> None:
 
 def test_prompt_logprobs_score_every_prompt_token_even_when_cached() -> None:
     config = tiny(max_num_batched_tokens=16, max_num_seqs=4)  # two chunks
-    engine = Engine(config)
+    engine = build_engine(config)
     engine.generate([PROMPT], SamplingParams(max_tokens=1))  # its first block is cached now
     before = engine.stats().computed_tokens
     params = SamplingParams(max_tokens=1, prompt_logprobs=2)
@@ -160,7 +161,7 @@ def whole_prompt_logprobs(runner: ModelRunner, prompt: list[int]) -> list[float]
 
 
 def test_min_tokens_hold_the_end_back_and_logit_bias_forces_a_token() -> None:
-    engine = Engine(tiny(model={"eos_token_ids": [65]}))
+    engine = build_engine(tiny(model={"eos_token_ids": [65]}))
     forced = SamplingParams(max_tokens=8, logit_bias={65: 100.0})
     assert engine.generate([PROMPT], forced)[0].token_ids == [65]  # EOS at once
     held = SamplingParams(max_tokens=8, logit_bias={65: 100.0}, min_tokens=5)
@@ -173,7 +174,7 @@ def test_min_tokens_hold_the_end_back_and_logit_bias_forces_a_token() -> None:
 def test_extreme_parameters_sample_a_token_and_never_fail_the_step(temperature: float) -> None:
     # a repetition penalty of 5e-324 divides positive logits to infinity; the step must
     # still sample (it once raised inside torch.multinomial and stopped the engine loop)
-    engine = Engine(tiny())
+    engine = build_engine(tiny())
     extreme = SamplingParams(
         max_tokens=4,
         temperature=temperature,
@@ -199,7 +200,7 @@ def test_a_penalty_that_underflows_float32_keeps_a_banned_seen_token_banned() ->
     out = process_logits(logits, params, PROMPT, [], end_ids=[PROMPT[3]])
     assert not out.isnan().any()
     assert out[PROMPT[3]] == -1e30  # still the lowest there is
-    engine = Engine(tiny(model={"eos_token_ids": [PROMPT[3]]}))
+    engine = build_engine(tiny(model={"eos_token_ids": [PROMPT[3]]}))
     sampled = SamplingParams(
         max_tokens=4, temperature=1.0, seed=1, repetition_penalty=5e-324, min_tokens=4
     )
@@ -214,16 +215,18 @@ def test_the_other_choices_go_on_when_choice_0_ends_on_its_first_token() -> None
     separate seeded request, and every block comes back."""
     base = SamplingParams(max_tokens=5, temperature=1.0, seed=11, ignore_eos=True)
     first = [
-        Engine(tiny()).generate([PROMPT], base.for_choice(i).model_copy(update={"max_tokens": 1}))
+        build_engine(tiny()).generate(
+            [PROMPT], base.for_choice(i).model_copy(update={"max_tokens": 1})
+        )
         for i in range(3)
     ]
     firsts = [out[0].token_ids[0] for out in first]
     assert firsts[0] not in firsts[1:]  # the seed makes choice 0's first token its own
     params = base.model_copy(update={"n": 3, "stop_token_ids": (firsts[0],)})
-    engine = Engine(tiny())
+    engine = build_engine(tiny())
     outs = engine.generate_choices(PROMPT, params)
     assert len(outs[0].token_ids) == 1 and max(len(o.token_ids) for o in outs[1:]) == 5
-    separate = [Engine(tiny()).generate([PROMPT], params.for_choice(i))[0] for i in range(3)]
+    separate = [build_engine(tiny()).generate([PROMPT], params.for_choice(i))[0] for i in range(3)]
     assert [o.token_ids for o in outs] == [s.token_ids for s in separate]
     engine.check_invariants()
     assert engine.stats().blocks_in_use == 0
@@ -253,7 +256,7 @@ def test_choices_beyond_max_num_seqs_wait_and_no_step_runs_more() -> None:
     outs = engine.generate_choices(PROMPT, params)
     assert max(n for n, _ in batches.sizes) == 2
     assert max(t for _, t in batches.sizes) <= 64
-    separate = [Engine(tiny()).generate([PROMPT], params.for_choice(i))[0] for i in range(3)]
+    separate = [build_engine(tiny()).generate([PROMPT], params.for_choice(i))[0] for i in range(3)]
     assert [o.token_ids for o in outs] == [s.token_ids for s in separate]
     engine.check_invariants()
     assert engine.stats().blocks_in_use == 0
@@ -266,14 +269,14 @@ def test_a_request_whose_own_sampling_fails_is_dropped_and_the_step_goes_on() ->
     and every block comes back."""
     from replica.sampling.params import StructuredOutput
 
-    engine = Engine(tiny())
-    alone = Engine(tiny()).generate([PROMPT], SamplingParams(max_tokens=6))[0].token_ids
+    engine = build_engine(tiny())
+    alone = build_engine(tiny()).generate([PROMPT], SamplingParams(max_tokens=6))[0].token_ids
     held = SamplingParams(max_tokens=6, structured=StructuredOutput(kind="json_object"))
     engine.add_request("held", PROMPT, held)
     engine.add_request("free", PROMPT, SamplingParams(max_tokens=6))
     grammar = engine._seqs["held"].grammar
     assert grammar is not None
-    for token in b'{}':
+    for token in b"{}":
         assert grammar.matcher.accept_token(token)
     assert grammar.matcher.accept_token(engine.config.shape.eos_token_ids[0])  # ended
     outputs: dict[str, list] = {"held": [], "free": []}

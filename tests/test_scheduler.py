@@ -8,9 +8,10 @@ import pytest
 
 import replica.engine.scheduler
 from kvindex.hashing import BlockHasher
-from replica.engine.block_manager import BlockManager
-from replica.engine.scheduler import ScheduledBatch, Scheduler
+from replica.engine.blocks.manager import BlockManager
+from replica.engine.scheduler import Scheduler
 from replica.engine.sequence import Sequence, SequenceStatus
+from replica.engine.step import ScheduledBatch
 from replica.sampling.params import SamplingParams
 
 BS = 4

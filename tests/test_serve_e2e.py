@@ -21,9 +21,9 @@ from bench.harness.private_ray import PrivateRay
 from bench.harness.redis_server import LocalRedis
 from cluster.config import ClusterArgs
 from kvindex.config import IndexConfig
-from kvindex.pulls import PullConfig
 from kvindex.reader import IndexReader
-from kvindex.stored import StoreConfig
+from replica.pull_config import PullConfig
+from replica.store.config import StoreConfig
 from router.config import routing_config
 
 MODEL = "tiny-llama-6m"
@@ -344,7 +344,7 @@ def assert_no_leaked_blocks(cluster: ServeCluster, timeout_s: float = 20.0) -> N
     while True:
         stats = cluster.stats()
         replicas = stats["replicas"]
-        views = index.query([]) or {}
+        views = list(index.query([]) or [])
         idle = (
             len(replicas) == 2
             and all(
@@ -355,7 +355,7 @@ def assert_no_leaked_blocks(cluster: ServeCluster, timeout_s: float = 20.0) -> N
                 for r in replicas.values()
             )
             and stats["bookings_in_flight"] == 0
-            and all(v.in_flight == v.booked_prefill_tokens == 0 for v in views.values())
+            and all(v.in_flight == v.prefill_tokens == 0 for v in views)
         )
         if idle:
             return

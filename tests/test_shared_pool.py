@@ -1,4 +1,4 @@
-"""Pulls by reference (``replica.model.shared_pool``): the receiver copies blocks straight
+"""Pulls by reference (``replica.kv.shared_pool``): the receiver copies blocks straight
 from a same-node holder's shared pool, and keeps a block only if it is still what the
 holder exported when the copy ends. A pulled prefix equals a local hit bitwise; a block
 evicted before or during the copy, a holder gone, a pool that is not the one exported or
@@ -18,9 +18,12 @@ import pytest
 import torch
 from conftest import tiny
 
-from replica.engine import Engine, SamplingParams, transfer
-from replica.engine.transfer import PrefixExport, export_prefix, import_prefix
-from replica.model.shared_pool import GEN_OFFSET, read_blocks, shared_memory_available
+from replica.engine.engine import Engine
+from replica.kv import transfer
+from replica.kv.shared_pool import GEN_OFFSET, read_blocks, shared_memory_available
+from replica.kv.transfer import PrefixExport, export_prefix, import_prefix
+from replica.model.runner import build_engine
+from replica.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not shared_memory_available(), reason="needs memfd (Linux)")
 
@@ -30,7 +33,7 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
 def shared(**fields) -> Engine:
-    return Engine(tiny(num_blocks=64, shared_kv_pool=True, **fields))
+    return build_engine(tiny(num_blocks=64, shared_kv_pool=True, **fields))
 
 
 def served(engine: Engine, prompt=PROMPT, salt=None):
@@ -40,7 +43,7 @@ def served(engine: Engine, prompt=PROMPT, salt=None):
 
 
 def by_reference(holder: Engine, prompt=PROMPT, salt=None) -> PrefixExport:
-    export = export_prefix(holder, prompt, salt, by_reference=True)
+    export = export_prefix(holder.kv, prompt, salt, by_reference=True)
     assert export.pool is not None and export.kv.size == 0  # no bytes travel
     return export
 
@@ -51,7 +54,7 @@ def test_a_prefix_pulled_by_reference_gives_what_a_local_hit_gives(dtype: str) -
     first = served(holder)
     export = by_reference(holder)
     assert export.num_bytes == 8 * holder.runner.kv_cache.data[0].nbytes
-    result = import_prefix(puller, PROMPT, None, export)
+    result = import_prefix(puller.kv, PROMPT, None, export)
     assert (result.imported, result.rejected) == (8, [])
     puller.check_invariants(idle=True)
     mine = puller.block_manager.prefix_cache.lookup(PROMPT, None)
@@ -59,7 +62,7 @@ def test_a_prefix_pulled_by_reference_gives_what_a_local_hit_gives(dtype: str) -
     kv_mine, kv_theirs = puller.runner.kv_cache.data, holder.runner.kv_cache.data
     assert kv_mine[mine].view(torch.uint8).equal(kv_theirs[theirs].view(torch.uint8))
     pulled = served(puller)
-    alone = served(Engine(tiny(num_blocks=64, dtype=dtype)))  # nothing cached, not shared
+    alone = served(build_engine(tiny(num_blocks=64, dtype=dtype)))  # nothing cached, not shared
     assert pulled.num_cached_tokens == 8 * BS
     assert pulled.token_ids == served(holder).token_ids == alone.token_ids == first.token_ids
 
@@ -74,7 +77,7 @@ def test_a_block_evicted_after_the_export_ends_the_import_there() -> None:
     want = served(holder)
     export = by_reference(holder)
     evict(holder, export.blocks[7].block_id)  # a leaf: nothing is stranded
-    result = import_prefix(puller, PROMPT, None, export)
+    result = import_prefix(puller.kv, PROMPT, None, export)
     assert result.imported == 7 and result.rejected == ["block 7: changed or gone mid-copy"]
     puller.check_invariants(idle=True)
     holder.check_invariants(idle=True)
@@ -115,9 +118,9 @@ def test_a_pool_that_is_not_the_exported_one_gives_nothing() -> None:
     served(holder)
     export = by_reference(holder)
     other = replace(export, pool=replace(export.pool, nonce=b"\0" * 16))  # a recycled fd
-    assert import_prefix(puller, PROMPT, None, other).imported == 0
+    assert import_prefix(puller.kv, PROMPT, None, other).imported == 0
     gone = replace(export, pool=replace(export.pool, pid=2**22 + 7))  # no such process
-    assert import_prefix(puller, PROMPT, None, gone).imported == 0
+    assert import_prefix(puller.kv, PROMPT, None, gone).imported == 0
     puller.check_invariants(idle=True)
     assert puller.block_manager.allocator.num_free == 64  # nothing kept, nothing leaked
 
@@ -128,7 +131,7 @@ def test_a_pool_of_another_format_version_is_ignored_not_misread() -> None:
     export = by_reference(holder)
     pool = holder.runner.kv_cache._pool
     pool._map[8:12] = struct.pack("<I", 2)  # a newer writer's header
-    result = import_prefix(puller, PROMPT, None, export)
+    result = import_prefix(puller.kv, PROMPT, None, export)
     assert result.imported == 0 and result.rejected == ["block 0: changed or gone mid-copy"]
     assert served(puller).num_cached_tokens == 0
 
@@ -136,16 +139,16 @@ def test_a_pool_of_another_format_version_is_ignored_not_misread() -> None:
 def test_a_tenants_blocks_are_lent_only_under_its_salt() -> None:
     holder, puller = shared(), shared()
     served(holder, salt="tenant-a")
-    assert export_prefix(holder, PROMPT, "tenant-b", by_reference=True).blocks == ()
+    assert export_prefix(holder.kv, PROMPT, "tenant-b", by_reference=True).blocks == ()
     export = by_reference(holder, salt="tenant-a")
-    assert import_prefix(puller, PROMPT, "tenant-b", export).imported == 0
-    assert import_prefix(puller, PROMPT, "tenant-a", export).imported == 8
+    assert import_prefix(puller.kv, PROMPT, "tenant-b", export).imported == 0
+    assert import_prefix(puller.kv, PROMPT, "tenant-a", export).imported == 8
 
 
 def _hold_and_export(conn) -> None:
     holder = shared()
     served(holder)
-    conn.send(export_prefix(holder, PROMPT, None, by_reference=True))
+    conn.send(export_prefix(holder.kv, PROMPT, None, by_reference=True))
     conn.recv()  # killed while waiting here
 
 
@@ -158,10 +161,10 @@ def test_a_holder_killed_before_the_copy_costs_a_miss_and_leaks_nothing() -> Non
     os.kill(process.pid, signal.SIGKILL)
     process.join(30)
     puller = shared()
-    result = import_prefix(puller, PROMPT, None, export)
+    result = import_prefix(puller.kv, PROMPT, None, export)
     assert result.imported == 0 and result.rejected == ["block 0: changed or gone mid-copy"]
     puller.check_invariants(idle=True)
-    want = served(Engine(tiny(num_blocks=64)))
+    want = served(build_engine(tiny(num_blocks=64)))
     assert served(puller).token_ids == want.token_ids
     # a memfd dies with the last process holding it: nothing named is left behind
     assert not [n for n in os.listdir("/dev/shm") if "prefix-serve-kv" in n]
@@ -201,14 +204,14 @@ def test_a_holder_sigkilled_mid_copy_gives_its_last_blocks_or_nothing_never_a_wr
 
     monkeypatch.setattr(transfer, "read_blocks", killed_at_block_4)
     puller = shared()
-    result = import_prefix(puller, PROMPT, None, export)
+    result = import_prefix(puller.kv, PROMPT, None, export)
     assert not process.is_alive() and process.exitcode == -signal.SIGKILL
     assert result.imported == 8 and result.rejected == []
     puller.check_invariants(idle=True)
     local = shared()
     served(local)
     pulled, computed = (
-        [e.block_id for e in export_prefix(engine, PROMPT, None, by_reference=True).blocks]
+        [e.block_id for e in export_prefix(engine.kv, PROMPT, None, by_reference=True).blocks]
         for engine in (puller, local)
     )
     kv_pulled = puller.runner.kv_cache.data.view(torch.uint8)
@@ -217,7 +220,7 @@ def test_a_holder_sigkilled_mid_copy_gives_its_last_blocks_or_nothing_never_a_wr
         assert kv_pulled[mine].equal(kv_local[theirs_])
     got = served(puller)
     assert got.num_cached_tokens == 8 * BS
-    assert got.token_ids == served(Engine(tiny(num_blocks=64))).token_ids
+    assert got.token_ids == served(build_engine(tiny(num_blocks=64))).token_ids
     puller.check_invariants(idle=True)
     assert not [n for n in os.listdir("/dev/shm") if "prefix-serve-kv" in n]
 

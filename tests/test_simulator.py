@@ -19,7 +19,7 @@ from bench.sim.simulator import Simulation
 from bench.workloads import WorkloadSpec, make_trace, oracle_hit_rate
 from replica.checkpoints.tokenizer import ByteTokenizer
 from replica.config import EngineConfig
-from replica.engine.scheduler import ScheduledBatch
+from replica.engine.step import ScheduledBatch
 
 COST = CostModel(base_s=0.008, prefill_token_s=0.0004, decode_seq_s=0.001)
 ENGINE = tiny(num_blocks=256)

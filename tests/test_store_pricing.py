@@ -12,11 +12,13 @@ import numpy as np
 from test_policies import request, state
 
 from kvindex.config import IndexConfig
-from kvindex.pulls import PullConfig, pull_source
+from kvindex.pulls import pull_source
 from kvindex.reader import IndexReader
 from kvindex.records import ReplicaTable, store_id
-from kvindex.stored import StoreConfig, restore_prices, stored_token_column, with_stored
+from kvindex.stored import restore_prices, stored_token_column, with_stored
 from kvindex.writer import IndexWriter
+from replica.pull_config import PullConfig
+from replica.store.config import StoreConfig
 from replica.store.files import open_node_store
 from replica.store.layout import StoreGeometry
 from replica.store.node_store import NodeStore
@@ -29,10 +31,9 @@ STORE = StoreConfig(token_cost=0.05)
 
 def test_a_replica_is_credited_with_its_nodes_store_run_beyond_what_it_holds() -> None:
     table = ReplicaTable.of([state("a", cached_blocks=2), state("b"), state("c")])
-    answer = {
-        "a": state("a", cached_blocks=2),
-        store_id("n1"): state(store_id("n1"), cached_blocks=6),
-    }
+    answer = ReplicaTable.of(
+        [state("a", cached_blocks=2), state(store_id("n1"), cached_blocks=6)]
+    )
     nodes = {"a": "n1", "b": "n1", "c": "n2"}
     stored = with_stored(table, answer, nodes)
     assert stored.column("stored_blocks").tolist() == [6, 6, 0]
@@ -44,20 +45,18 @@ def test_a_replica_is_credited_with_its_nodes_store_run_beyond_what_it_holds() -
 def test_the_router_prefers_a_replica_that_restores_over_one_that_recomputes() -> None:
     req = request(1, num_blocks=8, extra=0)
     replicas = [state("a", in_flight=1), state("b", in_flight=1)]
-    answer = {store_id("n2"): state(store_id("n2"), cached_blocks=8)}
+    answer = ReplicaTable.of([*replicas, state(store_id("n2"), cached_blocks=8)])
     nodes = {"a": "n1", "b": "n2"}
     plain = RoutingCore(PrefillCost(CostKnobs(decode_cost_tokens=10)))
     core = RoutingCore(PrefillCost(CostKnobs(decode_cost_tokens=10, store=STORE)), stores=STORE)
-    table = core.states(
-        ["a", "b"], {**{s.replica_id: s for s in replicas}, **answer}, [], None, nodes
-    )
+    table = core.states(["a", "b"], answer, [], None, nodes)
     decision = core.decide(req, table)
     assert decision.ranking[0] == "b" and decision.credit("b") == 7 * 16
     assert decision.credit("a") == 0
     costs = core.policy.costs(req, table)
     assert costs["a"] - costs["b"] == 7 * 16 - int(np.ceil(7 * 16 * 0.05))
     # without the store rule, the stored run is worth nothing
-    flat = plain.states(["a", "b"], {s.replica_id: s for s in replicas}, [], None, nodes)
+    flat = plain.states(["a", "b"], ReplicaTable.of(replicas), [], None, nodes)
     assert plain.decide(req, flat).credit("b") == 0
 
 
@@ -68,12 +67,7 @@ def test_a_prefix_its_nodes_store_keeps_is_every_node_replicas_so_the_cheapest_t
     copy, is no holder."""
     req = request(1, num_blocks=8, extra=0)
     replicas = [state("a", cached_blocks=7, in_flight=2), state("b", in_flight=1), state("c")]
-    answer = {
-        "a": replicas[0],
-        "b": replicas[1],
-        "c": replicas[2],
-        store_id("n1"): state(store_id("n1"), cached_blocks=7),
-    }
+    answer = ReplicaTable.of([*replicas, state(store_id("n1"), cached_blocks=7)])
     nodes = {"a": "n1", "b": "n1", "c": "n2"}
     knobs = {"decode_cost_tokens": 10, "sticky_budget_tokens": 512}
     core = RoutingCore(PrefillCost(CostKnobs(**knobs, store=STORE)), stores=STORE)

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 from conftest import tiny
 
-from replica.engine import Engine, SamplingParams
+from replica.engine.engine import Engine
+from replica.model.runner import build_engine
+from replica.sampling.params import SamplingParams
 from replica.store.disk import DiskTier
 from replica.store.layout import fingerprint
 from replica.store.node_store import NodeStore, StoreGeometry
@@ -25,7 +27,7 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
 def node_store(engine_config, sets: int = 64, ways: int = 4) -> NodeStore:
-    probe = Engine(engine_config)
+    probe = build_engine(engine_config)
     data = probe.runner.kv_cache.data
     layout = (str(data.dtype), tuple(data.shape[1:]))
     print_ = fingerprint(engine_config.model_id, BS, b"", layout)
@@ -33,7 +35,7 @@ def node_store(engine_config, sets: int = 64, ways: int = 4) -> NodeStore:
 
 
 def with_tier(config, store: NodeStore, **tier) -> Engine:
-    engine = Engine(config)
+    engine = build_engine(config)
     engine.attach_store(StoreTier(store, background=False, **tier))
     return engine
 
@@ -61,7 +63,7 @@ def test_a_spilled_then_restored_prefix_gives_the_never_evicted_tokens(dtype: st
     evict_everything(engine)
     again = served(engine)
     assert again.num_cached_tokens == 8 * BS and engine.store.counters.restored_blocks == 8
-    big = Engine(tiny(num_blocks=64, dtype=dtype))  # never evicts
+    big = build_engine(tiny(num_blocks=64, dtype=dtype))  # never evicts
     served(big)
     hit = served(big)
     assert hit.num_cached_tokens == 8 * BS
@@ -113,7 +115,7 @@ def test_a_forged_block_under_the_right_hash_is_refused() -> None:
     store.put(hashes[0], None, [1] * BS, row)  # a colliding hash, someone else's tokens
     out = served(engine)
     assert out.num_cached_tokens == 0 and engine.store.counters.restore_rejected == 1
-    assert out.token_ids == served(Engine(tiny(num_blocks=64))).token_ids
+    assert out.token_ids == served(build_engine(tiny(num_blocks=64))).token_ids
 
 
 def test_a_block_evicted_before_its_spill_is_dropped_not_stored() -> None:
@@ -182,7 +184,7 @@ def test_a_ticket_is_spilled_once_every_spill_handed_over_before_it_is_stored() 
     it, the answer's released blocks are in the store, for any replica of the node."""
     config = tiny(num_blocks=64)
     store = node_store(config)
-    engine = Engine(config)
+    engine = build_engine(config)
     tier = StoreTier(store, background=True)
     engine.attach_store(tier)
     assert tier.spilled(tier.ticket())  # nothing handed over: nothing to wait for

@@ -13,9 +13,9 @@ import pytest
 from conftest import tiny
 
 from replica.checkpoints.tokenizer import ByteTokenizer
-from replica.engine import Engine, SamplingParams
-from replica.messages import InvalidRequestError
-from replica.sampling.params import StructuredOutput
+from replica.errors import InvalidRequestError
+from replica.model.runner import build_engine
+from replica.sampling.params import SamplingParams, StructuredOutput
 
 TOKENIZER = ByteTokenizer()
 # bounded everywhere, so that even a random model completes the object within max_tokens
@@ -45,7 +45,7 @@ def text(output) -> str:
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_every_reply_is_json_the_schema_accepts(temperature: float) -> None:
-    engine = Engine(tiny(num_blocks=256))
+    engine = build_engine(tiny(num_blocks=256))
     outputs = engine.generate(PROMPTS, params(temperature=temperature, seed=7))
     for out in outputs:
         assert out.finish_reason == "stop", text(out)
@@ -54,7 +54,7 @@ def test_every_reply_is_json_the_schema_accepts(temperature: float) -> None:
 
 
 def test_json_object_is_any_object() -> None:
-    engine = Engine(tiny(num_blocks=256))
+    engine = build_engine(tiny(num_blocks=256))
     spec = StructuredOutput(kind="json_object")
     for out in engine.generate(PROMPTS[:3], params(spec, max_tokens=400, temperature=0.7)):
         if out.finish_reason == "stop":  # a random model may still run out of tokens
@@ -64,7 +64,7 @@ def test_json_object_is_any_object() -> None:
 
 
 def test_a_constrained_request_changes_nothing_for_the_others_in_its_batch() -> None:
-    engine = Engine(tiny(num_blocks=256))
+    engine = build_engine(tiny(num_blocks=256))
     free = params(None, max_tokens=40, temperature=0.0)
     alone = engine.generate(PROMPTS[0::2], free)
     mixed = engine.generate(PROMPTS, [free, params(), free, params(), free, params()])
@@ -72,7 +72,7 @@ def test_a_constrained_request_changes_nothing_for_the_others_in_its_batch() -> 
 
 
 def test_constrained_replies_do_not_depend_on_the_batch_or_the_cache() -> None:
-    engine = Engine(tiny(num_blocks=256))
+    engine = build_engine(tiny(num_blocks=256))
     seeded = params(temperature=0.9, seed=11)
     alone = [engine.generate([p], seeded)[0].token_ids for p in PROMPTS]
     together = [o.token_ids for o in engine.generate(PROMPTS, seeded)]  # now cached
@@ -80,7 +80,7 @@ def test_constrained_replies_do_not_depend_on_the_batch_or_the_cache() -> None:
 
 
 def test_choices_each_follow_the_schema_as_their_own_requests_would() -> None:
-    engine = Engine(tiny(num_blocks=256))
+    engine = build_engine(tiny(num_blocks=256))
     choices = engine.generate_choices(PROMPTS[0], params(temperature=1.0, seed=3, n=3))
     single = [
         engine.generate([PROMPTS[0]], params(temperature=1.0, seed=3 + i))[0] for i in range(3)
@@ -91,7 +91,7 @@ def test_choices_each_follow_the_schema_as_their_own_requests_would() -> None:
 
 
 def test_a_resumed_request_continues_its_grammar_where_it_was() -> None:
-    engine = Engine(tiny(num_blocks=256))
+    engine = build_engine(tiny(num_blocks=256))
     whole = engine.generate([PROMPTS[1]], params(temperature=0.8, seed=5))[0].token_ids
     for cut in (1, len(whole) // 2, len(whole) - 1):
         engine.add_request(
@@ -107,8 +107,8 @@ def test_a_resumed_request_continues_its_grammar_where_it_was() -> None:
 
 
 def test_preemption_changes_no_constrained_token() -> None:
-    roomy = Engine(tiny(num_blocks=256))
-    tight = Engine(tiny(num_blocks=24, max_num_seqs=6))
+    roomy = build_engine(tiny(num_blocks=256))
+    tight = build_engine(tiny(num_blocks=24, max_num_seqs=6))
     spec = params(temperature=0.0)
     assert [o.token_ids for o in tight.generate(PROMPTS, spec)] == [
         o.token_ids for o in roomy.generate(PROMPTS, spec)
@@ -118,7 +118,7 @@ def test_preemption_changes_no_constrained_token() -> None:
 
 
 def test_a_schema_the_compiler_cannot_take_is_refused_before_anything_is_queued() -> None:
-    engine = Engine(tiny(num_blocks=64))
+    engine = build_engine(tiny(num_blocks=64))
     lookbehind = {"type": "string", "pattern": "(?<=a)b"}
     bad = StructuredOutput(kind="json_schema", schema_text=json.dumps(lookbehind))
     with pytest.raises(InvalidRequestError) as caught:
@@ -131,7 +131,7 @@ def test_a_schema_the_compiler_cannot_take_is_refused_before_anything_is_queued(
 
 
 def test_a_grammar_is_compiled_once_per_schema() -> None:
-    engine = Engine(tiny(num_blocks=64))
+    engine = build_engine(tiny(num_blocks=64))
     first = engine.grammars.compile(HELD)
     same = StructuredOutput(kind="json_schema", schema_text=json.dumps(PERSON))
     again = engine.grammars.compile(same)

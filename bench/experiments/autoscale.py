@@ -29,9 +29,9 @@ from bench.loadgen import RequestResult, drive
 from bench.workloads import TraceRequest, WorkloadSpec, fast_engine, make_trace
 from cluster.config import Autoscaling, ClusterArgs
 from kvindex.config import IndexConfig
+from kvindex.measure import percentile
 from kvindex.reader import IndexReader
 from replica.checkpoints import TINY_MODEL
-from replica.engine.stats import percentile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -19,11 +19,13 @@ from bench.peers.engines import (
     ensure_vllm_venv,
     run_vllm,
 )
+from kvindex.measure import percentile
 from replica.checkpoints import SMOLLM2, checkpoint_for
-from replica.engine import Engine, EngineConfig, SamplingParams
-from replica.engine.stats import percentile
+from replica.config import EngineConfig
+from replica.engine.engine import Engine
 from replica.model.cpu import resolve_dtype
 from replica.model.runner import ModelRunner
+from replica.sampling.params import SamplingParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,9 +22,11 @@ from bench.peers.engines import (
 from bench.workloads import WORKLOADS, WorkloadSpec, make_trace
 from kvindex.hashing import BlockHasher
 from replica.checkpoints import TINY_MODEL, checkpoint_for
-from replica.engine import Engine, EngineConfig, SamplingParams
+from replica.config import EngineConfig
+from replica.engine.engine import Engine
 from replica.engine.stats import EngineMetrics, percentile
 from replica.model.runner import ModelRunner
+from replica.sampling.params import SamplingParams
 
 
 @dataclass(frozen=True)

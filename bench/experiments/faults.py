@@ -54,7 +54,7 @@ from bench.harness.scenario import (
 )
 from bench.report import faults_markdown
 from bench.workloads import TraceRequest
-from replica.engine.stats import percentile
+from kvindex.measure import percentile
 
 SCENARIOS = (
     "redis_kill",

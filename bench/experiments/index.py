@@ -16,9 +16,9 @@ from bench.harness.index_scale import measure_scale
 from bench.harness.redis_server import LocalRedis
 from kvindex.config import IndexConfig
 from kvindex.hashing import BlockHasher
+from kvindex.measure import percentile
 from kvindex.reader import IndexReader
 from kvindex.writer import IndexWriter
-from replica.engine.stats import percentile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -38,10 +38,10 @@ from bench.report import combine, slug, summarize, write_report
 from bench.workloads import TraceRequest, fast_engine, oracle_hit_rate, save_trace
 from cluster.config import ClusterArgs
 from kvindex.config import IndexConfig
-from kvindex.pulls import PullConfig
 from kvindex.reader import IndexReader
 from replica.checkpoints import checkpoint_for
 from replica.config import EngineConfig
+from replica.pull_config import PullConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,9 +10,9 @@ from typing import Any
 
 from bench.peers.ray_router import CLASS_PATH as TIMED_RAY_DEFAULT
 from bench.workloads import WORKLOADS, TraceRequest, WorkloadSpec, load_trace, make_trace
-from kvindex.pulls import PullConfig
-from kvindex.stored import StoreConfig
 from replica.checkpoints import TINY_MODEL
+from replica.pull_config import PullConfig
+from replica.store.config import StoreConfig
 from router.config import RayRouting, ServedPolicy, routing_config
 
 POLICIES = ("round_robin", "prefill_cost", "cache_aware", "ray_default", "ray_prefix")

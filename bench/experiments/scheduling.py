@@ -23,11 +23,13 @@ from bench.assistant_prompts import (
 )
 from bench.experiments.engine import TimedRequest, replay
 from bench.workloads import TraceRequest, WorkloadSpec, make_trace
+from kvindex.measure import percentile
 from replica.checkpoints import SMOLLM2, checkpoint_for
 from replica.checkpoints.tokenizer import Tokenizer
-from replica.engine import Engine, EngineConfig, SamplingParams
-from replica.engine.stats import percentile
+from replica.config import EngineConfig
+from replica.engine.engine import Engine
 from replica.model.runner import ModelRunner
+from replica.sampling.params import SamplingParams
 
 MODES = {
     "scheduler": {"enable_chunked_prefill": True, "decode_reserve": True},

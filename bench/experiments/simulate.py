@@ -37,11 +37,11 @@ from bench.sim.cost_model import DEFAULT_CALIBRATION, CostModel, calibrate
 from bench.sim.peer_policies import DynamoKV, RayPrefixSim, SGLangCacheAware
 from bench.sim.simulator import Simulation
 from bench.workloads import TraceRequest, fast_engine, oracle_hit_rate
-from kvindex.pulls import PullConfig
-from kvindex.stored import StoreConfig
 from replica.checkpoints import checkpoint_for
 from replica.checkpoints.tokenizer import Tokenizer
 from replica.config import EngineConfig
+from replica.pull_config import PullConfig
+from replica.store.config import StoreConfig
 from router.config import make_policy
 from router.policies import RoutingPolicy
 

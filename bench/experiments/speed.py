@@ -51,7 +51,9 @@ from bench.report import spread
 from bench.workloads import TraceRequest
 from replica.checkpoints import SMOLLM2, checkpoint_for
 from replica.checkpoints.tokenizer import Tokenizer
-from replica.engine import Engine, EngineConfig, SamplingParams
+from replica.config import EngineConfig
+from replica.model.runner import build_engine
+from replica.sampling.params import SamplingParams
 
 PEERS = ("ours", "ours-nondet", "transformers", "vllm")
 
@@ -181,7 +183,7 @@ class EnginePeer:
     """Our engine in this process."""
 
     def __init__(self, config: EngineConfig, warm: list[int]) -> None:
-        self.engine = Engine(config)
+        self.engine = build_engine(config)
         self.engine.generate([warm], SamplingParams(max_tokens=4))
 
     def time(self, prompts: list[list[int]], max_tokens: int) -> float:

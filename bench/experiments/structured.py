@@ -35,8 +35,10 @@ from bench.report import spread
 from cluster.api.models import ChatCompletionRequest
 from cluster.api.tools import ToolCallStream, template_messages, template_tools
 from replica.checkpoints import SMOLLM2, checkpoint_for
-from replica.engine import Engine, EngineConfig, SamplingParams
-from replica.sampling.params import StructuredOutput
+from replica.config import EngineConfig
+from replica.engine.engine import Engine
+from replica.model.runner import build_engine
+from replica.sampling.params import SamplingParams, StructuredOutput
 
 # no reply completes it in --tokens tokens, so a held request runs as long as a free one
 LONG_TEXT = {
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     result: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "threads": args.threads}
     result["first_request"] = _first_request_costs(config)
-    engine = Engine(config)
+    engine = build_engine(config)
     held = StructuredOutput(kind="json_schema", schema_text=json.dumps(LONG_TEXT))
     free = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     constrained = free.model_copy(update={"structured": held})
@@ -207,7 +209,7 @@ def _valid_call(stream: ToolCallStream) -> bool:
 def _first_request_costs(config: EngineConfig) -> dict[str, float]:
     """Seconds a fresh engine spends before its first held request: the grammar vocabulary
     (once per replica), then the schema's compile, then the cached lookup."""
-    engine = Engine(config)
+    engine = build_engine(config)
     spec = StructuredOutput(kind="json_schema", schema_text=json.dumps(RECORD))
     start = time.perf_counter()
     engine.grammars.compile(StructuredOutput(kind="json_object"))

@@ -20,10 +20,10 @@ import redis
 from bench.harness.mirror_scale import measure_mirror
 from kvindex.config import IndexConfig
 from kvindex.hashing import BlockHasher
+from kvindex.measure import percentile
 from kvindex.reader import IndexReader
 from kvindex.records import Booking
 from kvindex.writer import IndexWriter
-from replica.engine.stats import percentile
 
 
 def redis_cost(client: redis.Redis) -> tuple[int, int]:

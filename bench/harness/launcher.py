@@ -32,7 +32,7 @@ from bench.harness.ready import cluster_ready
 from bench.harness.redis_server import free_port
 from cluster.config import ClusterArgs
 from kvindex.reader import IndexReader
-from kvindex.stored import store_namespace
+from replica.store.config import store_namespace
 from replica.store.files import remove_cluster_stores
 
 REPO = Path(__file__).resolve().parents[2]

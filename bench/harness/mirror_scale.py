@@ -21,15 +21,15 @@ import redis
 from ray.serve._private.common import DeploymentID, ReplicaID
 
 from kvindex.config import IndexConfig
+from kvindex.measure import percentile
 from kvindex.mirror import IndexMirror
 from kvindex.mirror.holder_table import HolderTable
 from kvindex.reader import IndexReader
 from kvindex.records import Booking, RoutingRequest
 from kvindex.writer import IndexWriter
-from replica.engine.stats import percentile
 from router.config import make_policy, routing_config
 from router.core import RoutingCore
-from router.queue_lengths import QueueLengths
+from router.serve.queue_lengths import QueueLengths
 
 MODEL = "bench-model"
 

@@ -11,6 +11,21 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Any
+
+
+def _engine_api() -> tuple[Any, Any, Any]:
+    """(build an engine with its model, EngineConfig, SamplingParams) of the revision on
+    ``sys.path``: since 2026-12-05 the engine is handed its runner (``build_engine``);
+    before, ``replica.engine`` exported all three and ``Engine(config)`` built the model."""
+    try:
+        from replica.config import EngineConfig
+        from replica.model.runner import build_engine
+        from replica.sampling.params import SamplingParams
+    except ImportError:
+        from replica.engine import Engine as build_engine  # type: ignore[no-redef]
+        from replica.engine import EngineConfig, SamplingParams  # type: ignore[no-redef]
+    return build_engine, EngineConfig, SamplingParams
 
 
 def main(path: str) -> None:
@@ -18,8 +33,7 @@ def main(path: str) -> None:
         spec = json.load(f)
     import torch
 
-    from replica.engine import Engine, EngineConfig, SamplingParams
-
+    build, EngineConfig, SamplingParams = _engine_api()
     torch.set_num_threads(spec["threads"])
     started = time.perf_counter()
     config = EngineConfig(
@@ -30,7 +44,7 @@ def main(path: str) -> None:
         max_num_seqs=spec.get("max_num_seqs", 32),
         **spec.get("engine", {}),
     )
-    engine = Engine(config)
+    engine = build(config)
     sys.stdout.write(json.dumps({"startup_s": time.perf_counter() - started}) + "\n")
     sys.stdout.flush()
     for line in sys.stdin:

@@ -8,33 +8,31 @@ so the decision time of Ray's own router is measured at the same place as
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
-from router import link, routing_stats
+from router import routing_stats
+from router.serve import link
 
 CLASS_PATH = "bench.peers.ray_router:TimedPowerOfTwoRouter"
 
 
-class TimedPowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):
+class TimedPowerOfTwoRouter(link.ServeLinked, PowerOfTwoChoicesRequestRouter):
     def initialize_state(self, **kwargs: object) -> None:
         super().initialize_state(**kwargs)
         self.stats = routing_stats.RouterStats("ray_default")
-        self.loop: asyncio.AbstractEventLoop | None = None
-        link.LINK.attach(self)
+        self.link()
 
-    async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
+    async def rank_candidates(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
     ) -> list[list[RunningReplica]]:
-        self.loop = asyncio.get_running_loop()  # where the ingress's calls must run
         start = time.perf_counter()
-        ranked = await super().choose_replicas(candidate_replicas, pending_request)
+        ranked = await PowerOfTwoChoicesRequestRouter.choose_replicas(
+            self, candidate_replicas, pending_request
+        )
         args = pending_request.args if pending_request is not None else ()
         request_id = getattr(args[0], "request_id", "") if args else ""
         self.stats.record_decision(request_id, time.perf_counter() - start, "ray_default")

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from replica.config import EngineConfig
-from replica.engine import Engine
-from replica.engine.scheduler import ScheduledBatch
+from replica.engine.engine import Engine
+from replica.engine.step import ScheduledBatch
 from replica.model.runner import ModelRunner
 from replica.sampling.params import SamplingParams
 
@@ -105,7 +105,7 @@ class Clock:
 
 
 class BlockTags:
-    """A KV cache of one byte per block: what ``replica.engine.transfer`` copies between
+    """A KV cache of one byte per block: what ``replica.kv.transfer`` copies between
     simulated engines (the real export and import, verification included)."""
 
     def __init__(self, num_blocks: int) -> None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvindex.records import Booking, ReplicaState, leading_runs
-from replica.engine.prefix_cache import CacheEvents
-from router.bookings import Bookings, Load
+from kvindex.records import Booking, Load, ReplicaState, ReplicaTable, leading_runs
+from replica.engine.blocks.prefix_cache import CacheEvents
+from router.bookings import Bookings
 
 
 class SimIndex:
@@ -43,11 +43,9 @@ class SimIndex:
 
         return apply
 
-    def query(
-        self, chain: Sequence[bytes], replica_ids: Sequence[str], now: float
-    ) -> dict[str, ReplicaState]:
+    def query(self, chain: Sequence[bytes], replica_ids: Sequence[str], now: float) -> ReplicaTable:
         """Every replica's booked load, what it holds of the chain (published and
-        predicted) and its footprint."""
+        predicted) and its footprint: the index's answer, in its one shape."""
         loads = self.bookings.totals()
         published = leading_runs(chain, replica_ids, lambda h: self.holders.get(h, ()))
         predicted = leading_runs(
@@ -55,19 +53,21 @@ class SimIndex:
             replica_ids,
             lambda h: {rid for rid, t in self.predicted.get(h, {}).items() if t > now},
         )
-        answer = {}
+        states = []
         for rid in replica_ids:
             load = loads.get(rid, Load())
-            answer[rid] = ReplicaState(
-                rid,
-                in_flight=load.in_flight,
-                booked_prefill_tokens=load.prefill_tokens,
-                booked_decode_blocks=load.decode_blocks,
-                cached_blocks=published[rid],
-                predicted_blocks=predicted[rid],
-                footprint_blocks=self.footprint.get(rid, 0),
+            states.append(
+                ReplicaState(
+                    rid,
+                    in_flight=load.in_flight,
+                    prefill_tokens=load.prefill_tokens,
+                    decode_blocks=load.decode_blocks,
+                    cached_blocks=published[rid],
+                    predicted_blocks=predicted[rid],
+                    footprint_blocks=self.footprint.get(rid, 0),
+                )
             )
-        return answer
+        return ReplicaTable.of(states)
 
     def book(self, booking: Booking, now: float) -> None:
         """A routing decision: its load, and its chain as predicted-held there."""

@@ -22,9 +22,9 @@ not what its cache holds.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
-from kvindex.records import ReplicaState, RoutingRequest, leading_runs
+from kvindex.records import ReplicaState, ReplicaTable, RoutingRequest, leading_runs
 from router.policies import RoutingPolicy, rendezvous_order
 
 
@@ -62,7 +62,7 @@ class _TextTreePolicy(RoutingPolicy):
         self.prefixes.add(request, replica_id)
 
     def loads_and_matches(
-        self, request: RoutingRequest, replicas: Sequence[ReplicaState]
+        self, request: RoutingRequest, replicas: ReplicaTable
     ) -> tuple[dict[str, int], list[str], dict[str, int]]:
         """In-flight loads, replicas least loaded first, and each one's matched blocks."""
         loads = {r.replica_id: r.in_flight for r in replicas}
@@ -81,7 +81,7 @@ class RayPrefixSim(_TextTreePolicy):
         self.match_rate_threshold = match_rate_threshold
         self.imbalanced_threshold = imbalanced_threshold
 
-    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> list[str]:
+    def rank(self, request: RoutingRequest, replicas: ReplicaTable) -> list[str]:
         loads, by_load, matches = self.loads_and_matches(request, replicas)
         if max(loads.values()) - min(loads.values()) > self.imbalanced_threshold:
             return by_load
@@ -104,7 +104,7 @@ class SGLangCacheAware(_TextTreePolicy):
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
 
-    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> list[str]:
+    def rank(self, request: RoutingRequest, replicas: ReplicaTable) -> list[str]:
         loads, by_load, matches = self.loads_and_matches(request, replicas)
         best = max(matches.values())
         rate = best * request.block_size / max(request.num_prompt_tokens, 1)
@@ -122,12 +122,12 @@ class DynamoKV(RoutingPolicy):
     name = "dynamo_kv"
     uses_index = True
 
-    def rank(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> list[str]:
+    def rank(self, request: RoutingRequest, replicas: ReplicaTable) -> list[str]:
         bs = request.block_size
 
         def cost(r: ReplicaState) -> float:
-            raw = (r.booked_prefill_tokens + request.num_prompt_tokens) / bs
-            return max(0.0, raw - r.held_blocks) + r.booked_decode_blocks
+            raw = (r.prefill_tokens + request.num_prompt_tokens) / bs
+            return max(0.0, raw - r.held_blocks) + r.decode_blocks
 
         order = rendezvous_order(request.affinity_key, [r.replica_id for r in replicas])
         position = {rid: i for i, rid in enumerate(order)}

@@ -35,13 +35,13 @@ from bench.loadgen import RequestResult
 from bench.sim.cost_model import Clock, CostModel, CostRunner
 from bench.sim.index import SimIndex
 from bench.workloads import TraceRequest
-from kvindex.pulls import PullConfig, pull_source
+from kvindex.pulls import PullPrices, pull_source
 from kvindex.records import RoutingRequest, store_id
-from kvindex.stored import StoreConfig
+from kvindex.stored import StorePrices
 from replica.checkpoints import checkpoint_for
 from replica.config import EngineConfig
-from replica.engine import Engine
-from replica.engine.transfer import PrefixExport, export_prefix, import_prefix
+from replica.engine.engine import Engine
+from replica.kv.transfer import PrefixExport, export_prefix, import_prefix
 from replica.messages import RequestOutput
 from replica.sampling.params import SamplingParams
 from replica.store.layout import StoreGeometry
@@ -94,8 +94,8 @@ class Simulation:
         max_ongoing_requests: int = 32,
         affinity_blocks: int = 4,
         predict_ttl_s: float = 5.0,
-        pull: PullConfig | None = None,
-        store: StoreConfig | None = None,
+        pull: PullPrices | None = None,
+        store: StorePrices | None = None,
         store_blocks: int = 0,
         replicas_per_node: int = 8,
     ) -> None:
@@ -229,11 +229,11 @@ class Simulation:
             return None
         answer = self.index.query(chain, self._entries, t)
         own_store = store_id(self.nodes[rid]) if self.store is not None else ""
-        source = pull_source(answer.values(), rid, self.pull.min_blocks, own_store)
+        source = pull_source(answer, rid, self.pull.min_blocks, own_store)
         if source is None:
             return None
         holder = self.replicas[source]
-        export = export_prefix(holder.engine, pending.token_ids, None)
+        export = export_prefix(holder.engine.kv, pending.token_ids, None)
         holder.runner.owed_s += self.cost.pull_block_s * len(export.blocks) / 2
         return export
 
@@ -243,7 +243,7 @@ class Simulation:
         """Import what was pulled (verified), then hand the request to the engine."""
         if export is not None:
             replica.pulling -= 1
-            result = import_prefix(replica.engine, pending.token_ids, None, export)
+            result = import_prefix(replica.engine.kv, pending.token_ids, None, export)
             replica.runner.owed_s += self.cost.pull_block_s * len(export.blocks) / 2
             self.tally.pulls += 1
             self.tally.pulled_blocks += result.imported

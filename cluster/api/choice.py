@@ -10,7 +10,8 @@ from typing import Any
 
 from cluster.api.tools import ToolCallStream
 from replica.checkpoints.tokenizer import IncrementalDetokenizer
-from replica.messages import RequestOutput, TokenLogprob
+from replica.messages import RequestOutput
+from replica.sampling.params import TokenLogprob
 
 TokenLogprobs = list[tuple[int, TokenLogprob | None]]
 

@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from replica.messages import InvalidRequestError, RequestFailedError
+from replica.errors import InvalidRequestError, RequestFailedError
 
 
 class APIError(Exception):

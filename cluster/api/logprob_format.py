@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from replica.messages import TokenLogprob
+from replica.sampling.params import TokenLogprob
 
 TokenText = Callable[[int], str]
 

@@ -189,10 +189,6 @@ class CompletionRequest(_CommonRequest):
             return [prompt]  # type: ignore[list-item]
         return list(prompt)  # type: ignore[arg-type]
 
-    @property
-    def num_prompts(self) -> int:
-        return len(self.prompts)
-
 
 class ChatCompletionRequest(_CommonRequest):
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=published(CHAT_RULES))

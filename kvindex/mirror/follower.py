@@ -33,9 +33,10 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvindex import keys, scripts
+from kvindex.background import Background
 from kvindex.config import IndexConfig
 from kvindex.mirror.state import MirrorState
-from kvindex.reader import Answer
+from kvindex.records import ReplicaTable
 
 SNAPSHOT_CHUNK = 32  # replicas whose blocks one round trip of a snapshot reads
 
@@ -50,8 +51,10 @@ class MirrorCounters:
     unknown_answers: int = 0  # queries answered None (not synced, or stale)
 
 
-class IndexMirror:
+class IndexMirror(Background):
     """Follows one namespace's log on a thread of its own; ``query`` is thread-safe."""
+
+    thread_name = "index-mirror"
 
     def __init__(
         self,
@@ -62,6 +65,7 @@ class IndexMirror:
         live_poll_s: float | None = None,
         stale_after_s: float | None = None,
     ) -> None:
+        super().__init__()
         self.namespace = keys.namespace(config.cluster, model_id)
         self._log = f"{self.namespace}:ev"
         self._redis = redis.Redis.from_url(
@@ -86,30 +90,21 @@ class IndexMirror:
         self._heard = 0.0  # monotonic time of the last answer from Redis
         self._next_live = 0.0
         self._clock_offset_ms = 0.0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     @property
     def seq(self) -> int:
         """The last event applied."""
         return self.state.seq
 
-    def start(self) -> IndexMirror:
-        self._thread = threading.Thread(target=self._run, name="index-mirror", daemon=True)
-        self._thread.start()
-        return self
-
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5)
+        self._halt()
         self._redis.close()
 
     def synced(self) -> bool:
         fresh = time.monotonic() - self._heard < self.stale_after_s
         return self._log_id is not None and self._live_known and fresh
 
-    def query(self, block_hashes: Sequence[bytes]) -> Answer | None:
+    def query(self, block_hashes: Sequence[bytes]) -> ReplicaTable | None:
         """``IndexReader.query``'s answer, from memory; None while not synced or stale."""
         if not self.synced():
             self.counters.unknown_answers += 1

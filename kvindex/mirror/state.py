@@ -21,11 +21,10 @@ import numpy as np
 
 from kvindex.hashing import id_hash
 from kvindex.mirror.holder_table import HolderTable, block_keys
-from kvindex.records import COLUMNS, ReplicaTable, TableAnswer
+from kvindex.records import COLUMNS, LOAD_FIELDS, ReplicaTable
 
 HASH_BYTES = 16
-LOAD_FIELDS = ("prefill", "active", "decode")
-_LOAD_COLUMNS = ("booked_prefill_tokens", "in_flight", "booked_decode_blocks")
+_IN_FLIGHT = LOAD_FIELDS.index("in_flight")
 
 
 class MirrorState:
@@ -38,7 +37,7 @@ class MirrorState:
         self.shared_in_flight = 0  # the sum of the shared requests, all replicas
         self.epochs: dict[str, str] = {}
         self.holders = HolderTable()
-        self.loads = np.zeros((0, 3), np.int64)  # slot -> [prefill, active, decode]
+        self.loads = np.zeros((0, 3), np.int64)  # slot -> LOAD_FIELDS
         self.shared = np.zeros((0, 3), np.int64)  # slot -> the other routers' shares, summed
         self.id_hashes = np.zeros(0, np.uint64)  # slot -> id_hash of its replica
         self.predicted: dict[bytes, dict[str, float]] = {}  # block -> replica -> expiry ms
@@ -134,7 +133,7 @@ class MirrorState:
             self.predicted.pop(block, None)
 
     def share(self, router: str, payload: bytes) -> None:
-        """A router's shared bookings (``expiry|replica:prefill:active:decode,...``),
+        """A router's shared bookings (``expiry|replica:<LOAD_FIELDS' values>,...``),
         replacing its last ones."""
         if router == self.own_router:
             return
@@ -148,7 +147,7 @@ class MirrorState:
         for rid, values in totals.items():
             slot = self._slot_of(rid)
             self.shared[slot] += values
-            self.shared_in_flight += values[1]
+            self.shared_in_flight += values[_IN_FLIGHT]
 
     def expire_shares(self, now_ms: float) -> None:
         for router in [r for r, (expiry, _) in self.shares.items() if expiry <= now_ms]:
@@ -158,7 +157,7 @@ class MirrorState:
         _, old = self.shares.pop(router, (0.0, {}))
         for rid, values in old.items():
             self.shared[self._slot[rid]] -= values
-            self.shared_in_flight -= values[1]
+            self.shared_in_flight -= values[_IN_FLIGHT]
 
     def set_load_field(self, rid: str, name: str, value: int) -> None:
         slot = self._slot_of(rid)
@@ -179,7 +178,7 @@ class MirrorState:
 
     # --- the answer ---
 
-    def answer(self, chain: Sequence[bytes], now_ms: float) -> TableAnswer:
+    def answer(self, chain: Sequence[bytes], now_ms: float) -> ReplicaTable:
         """Every live replica's state for ``chain``, as ``IndexReader.query`` answers it."""
         if self._live_slots is None:
             self._cache_live()
@@ -193,7 +192,7 @@ class MirrorState:
                 predicted[k] = run
         # (3, live) rows, each contiguous: one gather, not a row-by-row fancy index
         load = np.take((self.loads + self.shared).T, slots, axis=1)
-        columns = dict(zip(_LOAD_COLUMNS, load, strict=True))
+        columns = dict(zip(LOAD_FIELDS, load, strict=True))
         columns |= {
             "cached_blocks": cached,
             "predicted_blocks": predicted,
@@ -202,14 +201,13 @@ class MirrorState:
             "stored_blocks": np.zeros(slots.size, np.int64),
         }
         assert set(columns) == set(COLUMNS)
-        table = ReplicaTable(
+        return ReplicaTable(
             self.live,
             columns,
             id_hashes=self.id_hashes[slots],
             id_array=self._live_array,
             positions=self._live_positions,
         )
-        return TableAnswer(table)
 
     def _cache_live(self) -> None:
         """What every answer needs of the live set: slots, their bitmask, each slot's place."""
@@ -265,7 +263,7 @@ class MirrorState:
             for _, totals in self.shares.values():  # its shared bookings end with it
                 values = totals.pop(rid, None)
                 if values is not None:
-                    self.shared_in_flight -= values[1]
+                    self.shared_in_flight -= values[_IN_FLIGHT]
             self.shared[slot] = 0
             self._live_slots = None
 

@@ -21,9 +21,9 @@ import numpy as np
 from replica.checkpoints import Checkpoint, CheckpointError
 from replica.checkpoints.gguf_file import GGUFFile
 from replica.checkpoints.registry import file_identity
+from replica.checkpoints.shape import ModelShape
 from replica.checkpoints.tokenizer import END_TOKENS, HFTokenizer, Tokenizer
 from replica.checkpoints.tokenizer_cache import tokenizer_folder
-from replica.model.shape import ModelShape
 
 if TYPE_CHECKING:  # torch loads with the weights, not with a tokenizer (the ingress's)
     import torch

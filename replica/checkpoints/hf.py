@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from replica.checkpoints import Checkpoint, CheckpointError
 from replica.checkpoints.registry import file_identity
+from replica.checkpoints.shape import ModelShape
 from replica.checkpoints.tokenizer import END_TOKENS, HFTokenizer, Tokenizer
-from replica.model.shape import ModelShape
 
 if TYPE_CHECKING:  # torch loads with the weights, not with a tokenizer (the ingress's)
     import torch

@@ -15,8 +15,8 @@ import importlib.metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from replica.checkpoints.shape import ModelShape
 from replica.checkpoints.tokenizer import ByteTokenizer, Tokenizer
-from replica.model.shape import ModelShape
 
 if TYPE_CHECKING:
     import torch

@@ -23,21 +23,21 @@ import torch
 
 from replica.checkpoints import checkpoint_for
 from replica.config import EngineConfig
-from replica.engine.audit import check_block_accounting
-from replica.engine.block_manager import BlockManager
+from replica.engine.blocks.audit import check_block_accounting
+from replica.engine.blocks.manager import BlockManager
+from replica.engine.blocks.prefix_cache import CacheEvents
 from replica.engine.choices import fork_choices
+from replica.engine.faces import KVHandle, KVPool, SecondTier
 from replica.engine.limits import check_request
-from replica.engine.outputs import Runner
-from replica.engine.prefix_cache import CacheEvents
-from replica.engine.scheduler import ScheduledBatch, Scheduler
+from replica.engine.scheduler import Scheduler
 from replica.engine.sequence import Sequence, SequenceStatus
 from replica.engine.stats import EngineMetrics, EngineStats
-from replica.messages import InvalidRequestError, RequestOutput
-from replica.model.runner import ModelRunner
+from replica.engine.step import Runner, ScheduledBatch
+from replica.errors import InvalidRequestError
+from replica.messages import RequestOutput
 from replica.sampling.grammar import Grammars
 from replica.sampling.params import SamplingParams
-from replica.sampling.sampler import Sample, Sampler, record_prompt_logprobs
-from replica.store.tier import StoreTier
+from replica.sampling.sampler import Sample, Sampler
 
 log = logging.getLogger("ray.serve")
 
@@ -45,19 +45,20 @@ log = logging.getLogger("ray.serve")
 class Engine:
     """A paged engine with a verified local prefix cache and continuous batching.
 
-    ``runner`` and ``clock`` default to the real model and wall time; the simulator passes a
-    cost model and a virtual clock and so runs this very scheduler, cache and accounting.
+    It is handed its ``runner``: the model (``replica.model.runner.build_engine`` builds an
+    engine with one) or the simulator's cost model, which with a virtual ``clock`` runs this
+    very scheduler, cache and accounting.
     With a node store (``attach_store``), released blocks spill there behind each step and
     a request's stored prefix is restored when it is added (``replica.store``).
     """
 
     def __init__(
         self,
-        config: EngineConfig | None = None,
-        runner: Runner | None = None,
+        config: EngineConfig,
+        runner: Runner,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.config = config = config or EngineConfig()
+        self.config = config
         self.hasher = config.block_hasher()
         self.block_manager = BlockManager(
             config.num_blocks,
@@ -73,12 +74,17 @@ class Engine:
             config.enable_chunked_prefill,
             config.decode_reserve,
         )
-        self.runner = runner if runner is not None else ModelRunner(config)
-        kv = getattr(self.runner, "kv_cache", None)
-        if kv is not None:  # evictions bump the pool's own counters (what a peer reads)
-            self.block_manager.allocator.generations = kv.generations
+        self.runner = runner
+        # its blocks as KV moves between engines and tiers (``faces.KVHandle``); a runner
+        # keeps a pool as ``kv_cache`` (the model's, the simulator's one byte a block) or,
+        # a test's stand-in, none
+        pool: KVPool | None = getattr(runner, "kv_cache", None)
+        self.kv: KVHandle | None = None
+        if pool is not None:  # evictions bump the pool's own counters (what a peer reads)
+            self.block_manager.allocator.generations = pool.generations
+            self.kv = KVHandle(self.block_manager, pool)
         self.clock = clock
-        self.store: StoreTier | None = None  # the second cache tier (``attach_store``)
+        self.store: SecondTier | None = None  # the second cache tier (``attach_store``)
         self._eos_token_ids = frozenset(config.shape.eos_token_ids)
         self.sampler = Sampler(config.seed, config.shape.eos_token_ids)
         self.grammars = Grammars(
@@ -129,7 +135,7 @@ class Engine:
         seq.num_prompt_tokens = len(tokens)
         seq.grammar = grammar
         if self.store is not None and params.prompt_logprobs is None:
-            self.store.restore(self, seq)
+            self.store.restore(self.kv, seq)
         self.block_manager.expect(seq)  # what it will hit outlives the prefills queued ahead
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -165,7 +171,7 @@ class Engine:
             self.metrics.steps += 1
         self._emit_events()
         if self.store is not None:  # what this step released, copied behind it
-            self.store.after_step(self)
+            self.store.after_step(self.kv)
         return outputs
 
     def generate(
@@ -203,9 +209,11 @@ class Engine:
 
     # -- cache events and introspection -----------------------------------------------------
 
-    def attach_store(self, store: StoreTier) -> None:
+    def attach_store(self, store: SecondTier) -> None:
         """Use ``store`` as this engine's second cache tier (before the first request)."""
-        store.attach(self)
+        if self.kv is None or self.has_unfinished_requests():
+            raise ValueError("a store needs a KV pool and an engine that has served nothing")
+        store.attach(self.kv)
         self.store = store
 
     def subscribe(self, listener: Callable[[CacheEvents], None]) -> None:
@@ -231,7 +239,7 @@ class Engine:
 
     def check_invariants(self, idle: bool = False) -> None:
         """Raise ``AssertionError`` unless the block accounting adds up (see
-        ``replica.engine.audit``); with ``idle`` (no request left), also unless no block is
+        ``replica.engine.blocks.audit``); with ``idle`` (no request left), also unless no block is
         in use. Tests call this after every step; replicas whenever idle."""
         sched = self.scheduler
         check_block_accounting(self.block_manager, sched.running, sched.waiting)
@@ -246,10 +254,10 @@ class Engine:
         rows = logits.split(batch.logit_rows)
         sampled = [i for i, sample in enumerate(batch.samples) if sample]
         last_rows = torch.stack([rows[i][-1] for i in sampled]) if sampled else logits[:0]
-        samples = self.sampler.sample_each(last_rows, [batch.seqs[i] for i in sampled])
+        samples = self.sampler.sample_each(last_rows, [batch.seqs[i].sample_row() for i in sampled])
         for seq, n, own in zip(batch.seqs, batch.num_new_tokens, rows, strict=True):
             self.metrics.computed_tokens += n
-            record_prompt_logprobs(seq, own, n)
+            seq.record_prompt_logprobs(own, n)
             seq.num_computed_tokens += n
         now = self.clock()
         outputs = []

@@ -4,7 +4,7 @@ holds a request it can never serve (the error says why; nothing is changed)."""
 from __future__ import annotations
 
 from replica.config import EngineConfig
-from replica.messages import InvalidRequestError
+from replica.errors import InvalidRequestError
 from replica.sampling.params import SamplingParams
 
 

@@ -6,8 +6,12 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from replica.messages import RequestOutput, TokenLogprob
-from replica.sampling.params import SamplingParams
+import torch
+
+from replica.messages import RequestOutput
+from replica.sampling.grammar import GrammarState
+from replica.sampling.params import SamplingParams, TokenLogprob
+from replica.sampling.sampler import SampleRow, token_logprobs
 
 
 class SequenceStatus(enum.Enum):
@@ -41,7 +45,7 @@ class Sequence:
     index: int = 0  # which choice of its request (n > 1)
     parent_id: str = ""  # the request's id (a choice i > 0 has its own, "<id>#i")
     prompt_logprobs: list[Any] | None = None  # collected chunk by chunk, when asked for
-    grammar: Any = None  # a GrammarState, for a request held to a format
+    grammar: GrammarState | None = None  # for a request held to a format
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_reason: str | None = None
@@ -102,3 +106,21 @@ class Sequence:
             prompt_logprobs=prompt_logprobs,
             error=error,
         )
+
+    def sample_row(self) -> SampleRow:
+        """What the sampler reads of this sequence for its next token."""
+        return SampleRow(
+            self.request_id, self.params, self.token_ids, self.num_prompt_tokens, self.grammar
+        )
+
+    def record_prompt_logprobs(self, rows: torch.Tensor, num_new: int) -> None:
+        """Keep the log-probabilities of the prompt tokens that a chunk's logits rows
+        predict (row j predicts token ``first + j + 1``), when the request asked for them."""
+        top = self.params.prompt_logprobs
+        first = self.num_computed_tokens
+        if top is None or first >= self.num_prompt_tokens:
+            return
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]  # the first prompt token has no context to predict
+        targets = self.token_ids[first + 1 : min(first + num_new + 1, self.num_prompt_tokens)]
+        self.prompt_logprobs += token_logprobs(rows[: len(targets)], targets, top)

@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import math
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
+
+from kvindex.measure import percentile
 
 if TYPE_CHECKING:
     from replica.engine.scheduler import Scheduler
 
 _MAX_SAMPLES = 100_000
-
-
-def percentile(values: Iterable[float], q: float) -> float | None:
-    """The ``q``-th percentile (0-100, linear interpolation); None for no values."""
-    data = sorted(values)
-    if not data:
-        return None
-    pos = (len(data) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
 
 
 @dataclass
@@ -79,8 +69,7 @@ class EngineStats:
         """A snapshot of an engine's counters, queues and blocks; latency percentiles only
         with ``latencies`` (sorting up to 100k samples: leave them out where this runs
         often, e.g. every heartbeat)."""
-        manager = scheduler.block_manager
-        alloc, cache = manager.allocator, manager.prefix_cache
+        blocks = scheduler.block_manager.usage()
         return cls(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
@@ -93,13 +82,13 @@ class EngineStats:
             computed_tokens=m.computed_tokens,
             generation_tokens=m.generation_tokens,
             preemptions=m.preemptions,
-            evictions=cache.num_evictions if cache else 0,
-            hash_mismatches=cache.num_hash_mismatches if cache else 0,
+            evictions=blocks.evictions,
+            hash_mismatches=blocks.hash_mismatches,
             steps=m.steps,
-            blocks_total=alloc.num_blocks,
-            blocks_free=alloc.num_free,
-            blocks_cached=alloc.num_cached,
-            blocks_in_use=alloc.num_in_use,
+            blocks_total=blocks.total,
+            blocks_free=blocks.free,
+            blocks_cached=blocks.cached,
+            blocks_in_use=blocks.in_use,
             ttft_p50_s=percentile(m.ttft_s, 50) if latencies else None,
             ttft_p99_s=percentile(m.ttft_s, 99) if latencies else None,
             itl_p50_s=percentile(m.itl_s, 50) if latencies else None,

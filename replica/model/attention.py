@@ -1,8 +1,9 @@
 """Paged attention: keys and values live in blocks, read through each sequence's block table.
 
-Two implementations of one contract. ``replica/kernels/attention.cpp`` is the one that
-serves: every query walks its keys block by block from position 0 with an online softmax,
-so its output is bitwise the same whatever else is in the step (batch-invariant). The
+Two implementations of one contract. ``replica/model/kernels/attention.cpp`` is the one that
+serves: every query walks its keys block by block from position 0 in two passes (scores and
+their maximum, then the exponentials and the weighted values), so its output is bitwise the
+same whatever else is in the step (batch-invariant). The
 pure-torch functions below are its reference: the tests compare the two, and the engine runs
 them where no kernel could be built and invariance was not asked for.
 """
@@ -15,8 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from replica.model import kernels
-from replica.model.shared_pool import PoolLocator, SharedPool, shared_memory_available
+from replica.kv.shared_pool import PoolLocator, SharedPool, shared_memory_available
 
 DECODE_TILE = 8  # decodes attended together (sharing the blocks they have in common)
 PREFILL_TILE = 32  # rows of one prompt chunk attended together
@@ -245,7 +245,3 @@ def _tiles(tables: list[list[int]], spans: list[tuple[int, int]]) -> tuple[list[
             rows += members[start : start + DECODE_TILE]
             starts.append(len(rows))
     return rows, starts
-
-
-def kernel_available() -> bool:
-    return kernels.available()

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from replica.checkpoints.shape import ModelShape
 from replica.model.attention import AttentionMetadata, KVCache, paged_attention
-from replica.model.shape import ModelShape
 
 
 class RMSNorm(nn.Module):

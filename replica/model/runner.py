@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from replica.checkpoints import CheckpointError, checkpoint_for
 from replica.config import EngineConfig
-from replica.engine.scheduler import ScheduledBatch
+from replica.engine.engine import Engine
+from replica.engine.step import ScheduledBatch
 from replica.model import kernels
 from replica.model.attention import KVCache, build_metadata
 from replica.model.cpu import resolve_dtype
@@ -110,3 +113,11 @@ def _use_kernel(deterministic: bool) -> bool:
             ) from None
         return True
     return kernels.available()
+
+
+def build_engine(
+    config: EngineConfig | None = None, clock: Callable[[], float] = time.monotonic
+) -> Engine:
+    """An engine with the real model as its runner (``config`` defaults to the cluster's)."""
+    config = config or EngineConfig()
+    return Engine(config, ModelRunner(config), clock)

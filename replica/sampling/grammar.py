@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from replica.checkpoints.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from replica.messages import InvalidRequestError
+from replica.errors import InvalidRequestError
 from replica.sampling.params import StructuredOutput
 
 CACHE_LIMIT_BYTES = 256 * 2**20

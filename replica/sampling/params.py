@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -65,3 +66,12 @@ class SamplingParams(BaseModel):
         own: one choice, seed ``seed + index``, no prompt logprobs (reported once)."""
         seed = None if self.seed is None else self.seed + index
         return self.model_copy(update={"n": 1, "seed": seed, "prompt_logprobs": None})
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model, and the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()

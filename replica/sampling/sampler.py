@@ -19,12 +19,39 @@ from dataclasses import dataclass
 
 import torch
 
-from replica.engine.sequence import Sequence
-from replica.messages import TokenLogprob
+from replica.sampling.grammar import GrammarState
 from replica.sampling.logits_processing import needs_processing, process_logits
+from replica.sampling.params import SamplingParams, TokenLogprob
 
 # Below this temperature, sampling is greedy: dividing by it would overflow the logits.
 MIN_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """What sampling one row needs of its request (the engine builds one per sampled row):
+    its id and parameters, its tokens (``token_ids``: the prompt's ``num_prompt_tokens``,
+    then the output so far; the list is the request's own, read, never changed) and its
+    grammar's state, if it is held to a format."""
+
+    request_id: str
+    params: SamplingParams
+    token_ids: list[int]
+    num_prompt_tokens: int
+    grammar: GrammarState | None = None
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def position(self) -> int:
+        """Which output token this draw is (its seed's position)."""
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -33,10 +60,10 @@ class Sample:
     logprob: TokenLogprob | None = None  # set when the request asked for logprobs
 
 
-def _plain_greedy(seq: Sequence) -> bool:
-    p = seq.params
+def _plain_greedy(row: SampleRow) -> bool:
+    p = row.params
     plain = p.temperature < MIN_TEMPERATURE and p.logprobs is None and not needs_processing(p)
-    return plain and seq.grammar is None
+    return plain and row.grammar is None
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -59,56 +86,44 @@ def token_logprobs(logits: torch.Tensor, tokens: Iterable[int], top: int) -> lis
     return out
 
 
-def record_prompt_logprobs(seq: Sequence, rows: torch.Tensor, num_new: int) -> None:
-    """Keep the log-probabilities of the prompt tokens that a chunk's logits rows predict
-    (row j predicts token ``first + j + 1``), when the request asked for them."""
-    top = seq.params.prompt_logprobs
-    first = seq.num_computed_tokens
-    if top is None or first >= seq.num_prompt_tokens:
-        return
-    if seq.prompt_logprobs is None:
-        seq.prompt_logprobs = [None]  # the first prompt token has no context to predict it
-    targets = seq.token_ids[first + 1 : min(first + num_new + 1, seq.num_prompt_tokens)]
-    seq.prompt_logprobs += token_logprobs(rows[: len(targets)], targets, top)
-
-
 class Sampler:
     def __init__(self, seed: int, end_token_ids: Iterable[int] = ()) -> None:
         self.seed = seed
         self.end_token_ids = tuple(end_token_ids)  # what min_tokens holds back
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sample]:
-        """``logits``: [len(seqs), vocab], float32. One sample per sequence: the token at
-        position ``seq.num_output_tokens`` of its output."""
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
+        """``logits``: [len(rows), vocab], float32. One sample per row: the token at its
+        request's output position ``row.position``."""
         greedy = logits.argmax(dim=-1).tolist()  # one call for the plain greedy rows
         return [
-            Sample(greedy[row]) if _plain_greedy(seq) else self.sample_one(logits[row], seq)
-            for row, seq in enumerate(seqs)
+            Sample(greedy[i]) if _plain_greedy(row) else self.sample_one(logits[i], row)
+            for i, row in enumerate(rows)
         ]
 
-    def sample_each(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sample | Exception]:
-        """``sample``, but a sequence whose sampling raises gets its exception instead of a
+    def sample_each(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample | Exception]:
+        """``sample``, but a row whose sampling raises gets its exception instead of a
         sample (the others are then sampled one by one: the same draws, as every draw is
         seeded by its own request and position)."""
         try:
-            return list(self.sample(logits, seqs))
+            return list(self.sample(logits, rows))
         except Exception:
             out: list[Sample | Exception] = []
-            for row, seq in zip(logits, seqs, strict=True):
+            for logit_row, row in zip(logits, rows, strict=True):
                 try:
-                    out += self.sample(row.unsqueeze(0), [seq])
+                    out += self.sample(logit_row.unsqueeze(0), [row])
                 except Exception as exc:
                     out.append(exc)
             return out
 
-    def sample_one(self, logits: torch.Tensor, seq: Sequence) -> Sample:
-        params = seq.params
-        processed = logits if seq.grammar is None else seq.grammar.mask(logits)
+    def sample_one(self, logits: torch.Tensor, row: SampleRow) -> Sample:
+        params = row.params
+        processed = logits if row.grammar is None else row.grammar.mask(logits)
         if needs_processing(params):
-            prompt, output = seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids
-            processed = process_logits(processed, params, prompt, output, self.end_token_ids)
+            processed = process_logits(
+                processed, params, row.prompt_ids, row.output_ids, self.end_token_ids
+            )
         if params.temperature >= MIN_TEMPERATURE:
-            token = self._draw(processed, seq)
+            token = self._draw(processed, row)
         else:
             token = int(processed.argmax())
         if params.logprobs is None:
@@ -116,20 +131,20 @@ class Sampler:
         (logprob,) = token_logprobs(logits.unsqueeze(0), [token], params.logprobs)
         return Sample(token, logprob)
 
-    def request_seed(self, seq: Sequence) -> int:
-        if seq.params.seed is not None:
-            return seq.params.seed
-        digest = hashlib.blake2b(f"{self.seed}/{seq.request_id}".encode(), digest_size=8)
+    def request_seed(self, row: SampleRow) -> int:
+        if row.params.seed is not None:
+            return row.params.seed
+        digest = hashlib.blake2b(f"{self.seed}/{row.request_id}".encode(), digest_size=8)
         return int.from_bytes(digest.digest(), "little") >> 1
 
-    def _draw(self, logits: torch.Tensor, seq: Sequence) -> int:
-        seed = position_seed(self.request_seed(seq), seq.num_output_tokens)
+    def _draw(self, logits: torch.Tensor, row: SampleRow) -> int:
+        seed = position_seed(self.request_seed(row), row.position)
         gen = torch.Generator().manual_seed(seed)
-        probs = torch.softmax(logits / seq.params.temperature, dim=-1)
-        if seq.params.top_p < 1.0:
+        probs = torch.softmax(logits / row.params.temperature, dim=-1)
+        if row.params.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
             # keep the smallest head whose mass reaches top_p (the top token always stays)
-            drop = sorted_probs.cumsum(0) - sorted_probs >= seq.params.top_p
+            drop = sorted_probs.cumsum(0) - sorted_probs >= row.params.top_p
             drop[0] = False  # rounding can make the top token's own mass look "above" top_p
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)

@@ -3,7 +3,7 @@
 A node store outlives its cluster on purpose: a cluster started again with the same model
 file, code and settings starts warm (``replica.store.layout``: the fingerprint decides who
 may read a store). To start cold, or to give its memory back, stop the cluster and run this
-(``--cluster`` names one cluster's stores: ``kvindex.stored.store_namespace``, as
+(``--cluster`` names one cluster's stores: ``replica.store.config.store_namespace``, as
 ``<index.cluster>.<digest of index.url>``; the default is every cluster's).
 """
 

@@ -5,32 +5,34 @@ nobody can use), the disk tier if set. Any failure leaves the replica without a 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvindex.config import IndexConfig
-from kvindex.stored import StoreConfig, store_namespace
+from replica.store.config import StoreConfig, store_namespace
 from replica.store.disk import DiskTier
 from replica.store.files import open_node_store, sweep
 from replica.store.layout import file_name, fingerprint
 from replica.store.node_store import StoreGeometry
 from replica.store.tier import StoreTier
 
+if TYPE_CHECKING:
+    from replica.engine.engine import Engine
+
 log = logging.getLogger("ray.serve")
 
 
-def build_tier(engine: Any, config: StoreConfig, index: IndexConfig) -> StoreTier | None:
-    """The tier for ``engine`` (its KV layout, model, block size, secret), or None."""
-    kv = getattr(engine.runner, "kv_cache", None)
-    if not config.enabled or kv is None or engine.block_manager.prefix_cache is None:
+def build_tier(
+    engine: Engine, kv_source: str, config: StoreConfig, index: IndexConfig
+) -> StoreTier | None:
+    """The tier for ``engine`` (its KV layout, model, block size, secret, and ``kv_source``:
+    what computes its blocks, ``ModelRunner.kv_source``), or None."""
+    kv = engine.kv
+    if not config.enabled or kv is None or kv.cache is None:
         return None
-    data = kv.data
-    layout = (str(data.dtype), tuple(data.shape[1:]))
     hasher = engine.hasher
-    print_ = fingerprint(
-        hasher.model_id, hasher.block_size, hasher.secret, layout, engine.runner.kv_source
-    )
+    print_ = fingerprint(hasher.model_id, hasher.block_size, hasher.secret, kv.layout, kv_source)
     namespace = store_namespace(index)
-    block_bytes = data[0].nbytes
+    block_bytes = kv.pool.data[0].nbytes
     try:
         sweep(config.directory, namespace, print_, config.stale_after_s)
         geometry = StoreGeometry.for_bytes(

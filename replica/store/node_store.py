@@ -16,9 +16,9 @@ Who may trust what:
 * Readers take no lock. ``find`` copies a record between two reads of its ``seq`` and
   keeps it only if both are the same even value; ``read_blocks`` copies bytes and keeps a
   block only if its ``seq`` is still the one ``find`` saw (the shared pool's rule,
-  ``replica.model.shared_pool``). A block replaced or torn mid-read is a miss, never
+  ``replica.kv.shared_pool``). A block replaced or torn mid-read is a miss, never
   someone else's bytes. The caller still verifies tokens, hash and parent like a local hit
-  (``replica.engine.transfer``).
+  (``replica.kv.transfer``).
 * ``used_ns`` and ``uses`` are hints (LRU order, disk admission), written by readers
   without the lock: a lost update costs a slightly worse eviction, never a wrong block.
 

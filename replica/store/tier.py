@@ -13,7 +13,7 @@ use goes to the disk tier, if there is one.
 Restore: before a request is admitted, the engine asks the tier for the blocks of its
 prompt beyond its longest local hit: first the node store (read by reference, the
 seqlock's rule), then the disk tier (bytes with a checksum). Both go through
-``replica.engine.transfer.import_prefix``, which holds them to a local hit's rule (tokens,
+``replica.kv.transfer.import_prefix``, which holds them to a local hit's rule (tokens,
 the receiver's own hash, parent) and publishes them: the request then hits them like any
 cached prefix, and ``cached_tokens`` counts them.
 
@@ -31,15 +31,18 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from replica.engine.prefix_cache import CacheEvents
-from replica.engine.transfer import ExportedBlock, PrefixExport, import_prefix
+from replica.engine.blocks.prefix_cache import CacheEvents
+from replica.engine.faces import KVHandle
+from replica.kv.transfer import ExportedBlock, PrefixExport, import_prefix
 from replica.store.disk import DiskBlock, DiskTier
 from replica.store.node_store import NodeStore
+
+if TYPE_CHECKING:
+    from replica.engine.sequence import Sequence as Sequence_
 
 log = logging.getLogger("ray.serve")
 
@@ -96,20 +99,18 @@ class StoreTier:
 
     # -- spill ----------------------------------------------------------------------------
 
-    def attach(self, engine: Any) -> None:
-        """Be ``engine``'s tier: hear of every block its pool releases to the cache."""
-        if getattr(engine.runner, "kv_cache", None) is None or engine.has_unfinished_requests():
-            raise ValueError("a store needs a KV pool and an engine that has served nothing")
-        engine.block_manager.allocator.on_cached = self._released.append
+    def attach(self, kv: KVHandle) -> None:
+        """Be the tier of ``kv``'s engine: hear of every block its pool releases to the
+        cache."""
+        kv.on_release(self._released.append)
 
-    def after_step(self, engine: Any) -> None:
+    def after_step(self, kv: KVHandle) -> None:
         """Hand the blocks released in the step to the spiller (the step's end)."""
         if not self._released:
             return
-        items = released_blocks(engine.block_manager, self._released)
+        items = released_blocks(kv, self._released)
         self._released.clear()
-        manager = engine.block_manager
-        self.spill(items, pool_rows(engine.runner.kv_cache.data), manager.allocator.generations)
+        self.spill(items, kv.rows(), kv.allocator.generations)
 
     def spill(self, items: Sequence[SpillItem], pool: np.ndarray, generations: Any) -> None:
         """Copy released blocks of ``pool`` (uint8 rows, one a block) into the store."""
@@ -125,6 +126,18 @@ class StoreTier:
         with self._progress:
             self._handed += 1
         self._queue.put((items, pool, generations))
+
+    def stats(self) -> dict[str, Any]:
+        """The tier's counters and its store's, as a replica reports them (``store_*``)."""
+        store = self.store.counters
+        return {
+            **self.counters.to_dict(),
+            "store_hits": store.hits,
+            "store_torn": store.torn,
+            "store_full": store.full,
+            "store_blocks": self.store.num_blocks,
+            "store_capacity": self.store.geometry.num_slots,
+        }
 
     def ticket(self) -> int:
         """A mark of every spill handed over so far (``wait_spilled`` waits for them)."""
@@ -209,30 +222,29 @@ class StoreTier:
 
     # -- restore --------------------------------------------------------------------------
 
-    def restore(self, engine: Any, seq: Any) -> int:
+    def restore(self, kv: KVHandle, seq: Sequence_) -> int:
         """Import the stored blocks of ``seq``'s tokens beyond the engine's local hit (store,
         then disk); how many blocks it imported. Runs on the engine's thread, when ``seq``
         is added (its block hashes are computed here once, for admission too)."""
-        manager = engine.block_manager
-        cache, bs = manager.prefix_cache, manager.block_size
+        bs = kv.block_size
         usable = (seq.num_tokens - 1) // bs
-        if cache is None or usable <= 0:
+        if kv.cache is None or usable <= 0:
             return 0
         start = time.perf_counter()
         prompt, salt = seq.token_ids[: usable * bs], seq.cache_salt
-        hashes = manager.chain(seq, usable * bs)
-        held = len(cache.lookup(prompt, salt, hashes))
+        hashes = kv.manager.chain(seq, usable * bs)
+        held = len(kv.lookup(prompt, salt, hashes))
         imported = 0
         if held < usable:
-            imported = self._from_store(engine, prompt, salt, hashes, held)
+            imported = self._from_store(kv, prompt, salt, hashes, held)
         if self.disk is not None and held + imported < usable:
-            imported += self._from_disk(engine, prompt, salt, hashes, held + imported)
+            imported += self._from_disk(kv, prompt, salt, hashes, held + imported)
         if held < usable:
             self.counters.restore_seconds += time.perf_counter() - start
         return imported
 
     def _from_store(
-        self, engine: Any, prompt: list[int], salt: str | None, hashes: list[bytes], held: int
+        self, kv: KVHandle, prompt: list[int], salt: str | None, hashes: list[bytes], held: int
     ) -> int:
         found = self.store.find_chain(hashes, start=held)
         if not found:
@@ -240,16 +252,14 @@ class StoreTier:
         blocks = tuple(
             ExportedBlock(b.block_hash, b.parent_hash, b.token_ids, 0, b.slot, b.seq) for b in found
         )
-        export = PrefixExport(
-            _layout(engine), blocks, store=self.store, stored=tuple(found), first=held
-        )
-        result = import_prefix(engine, prompt, salt, export, hashes)
+        export = PrefixExport(kv.layout, blocks, store=self.store, stored=tuple(found), first=held)
+        result = import_prefix(kv, prompt, salt, export, hashes)
         self.counters.restored_blocks += result.imported
         self.counters.restore_rejected += len(found) - result.imported
         return result.imported
 
     def _from_disk(
-        self, engine: Any, prompt: list[int], salt: str | None, hashes: list[bytes], held: int
+        self, kv: KVHandle, prompt: list[int], salt: str | None, hashes: list[bytes], held: int
     ) -> int:
         assert self.disk is not None
         found = self.disk.read_chain(hashes[held:])
@@ -260,21 +270,17 @@ class StoreTier:
             ExportedBlock(b.block_hash, b.parent_hash, b.token_ids, zlib.crc32(row))
             for b, row in zip(found, rows, strict=True)
         )
-        export = PrefixExport(_layout(engine), blocks, rows, first=held)
-        result = import_prefix(engine, prompt, salt, export, hashes)
+        export = PrefixExport(kv.layout, blocks, rows, first=held)
+        result = import_prefix(kv, prompt, salt, export, hashes)
         self.counters.restored_disk_blocks += result.imported
         self.counters.restore_rejected += len(found) - result.imported
         return result.imported
 
 
-def _layout(engine: Any) -> tuple[str, tuple[int, ...]]:
-    data = engine.runner.kv_cache.data
-    return str(data.dtype), tuple(data.shape[1:])
-
-
-def released_blocks(manager: Any, blocks: Sequence[int]) -> list[SpillItem]:
+def released_blocks(kv: KVHandle, blocks: Sequence[int]) -> list[SpillItem]:
     """What to spill of ``blocks`` (released this step): those still cached, published."""
-    allocator, cache = manager.allocator, manager.prefix_cache
+    allocator, cache = kv.allocator, kv.cache
+    assert cache is not None  # a tier needs the prefix cache (``build_tier``)
     items = []
     for block in dict.fromkeys(blocks):
         if allocator.ref_counts[block] or not cache.is_published(block):
@@ -284,8 +290,3 @@ def released_blocks(manager: Any, blocks: Sequence[int]) -> list[SpillItem]:
         generation = int(allocator.generations[block])
         items.append(SpillItem(block, generation, entry.block_hash, parent, entry.token_ids))
     return items
-
-
-def pool_rows(kv_data: torch.Tensor) -> np.ndarray:
-    """A KV pool as uint8 rows, one a block (a view: the spiller reads the pool itself)."""
-    return kv_data.view(torch.uint8).view(kv_data.shape[0], -1).numpy()

@@ -1,7 +1,7 @@
 """``pull``: what a prefix of N tokens costs a request's first token three ways: computed
 (nothing cached), a local hit, and pulled from another replica that holds it.
 
-``--where engine``: two engines in one process (``replica.engine.transfer``), the three
+``--where engine``: two engines in one process (``replica.kv.transfer``), the three
 alternated (A B C C B A ...). The pulled prefix is exported, carried and imported, verified,
 then admitted as a local hit. ``--transport shared_memory`` (the default, what same-node
 replicas do): only where the blocks are travels, and the puller copies them out of the
@@ -38,10 +38,12 @@ from bench.report import spread
 from bench.sim.cost_model import CostModel
 from cluster.config import ClusterArgs
 from kvindex.config import IndexConfig
-from kvindex.pulls import PullConfig
 from replica.checkpoints import TINY_MODEL, checkpoint_for
-from replica.engine import Engine, EngineConfig, SamplingParams
-from replica.engine.transfer import PrefixExport, export_prefix, import_prefix
+from replica.config import EngineConfig
+from replica.kv.transfer import PrefixExport, export_prefix, import_prefix
+from replica.model.runner import build_engine
+from replica.pull_config import PullConfig
+from replica.sampling.params import SamplingParams
 from router.config import routing_config
 
 MODES = ("computed", "local_hit", "pulled")
@@ -141,7 +143,7 @@ def _calibrate(path: Path, fit: dict[str, Any], args: argparse.Namespace) -> Non
 def engine_pulls(args: argparse.Namespace, tokens: int) -> dict[str, Any]:
     by_reference = args.transport == "shared_memory"
     config = engine_config(args).model_copy(update={"shared_kv_pool": by_reference})
-    holder, puller = Engine(config), Engine(config)
+    holder, puller = build_engine(config), build_engine(config)
     vocab = config.shape.vocab_size
     prefix = [(13 * i + 7) % (vocab - 20) + 10 for i in range(tokens)]
     for engine in (holder, puller):  # torch's first calls are slow
@@ -157,8 +159,9 @@ def engine_pulls(args: argparse.Namespace, tokens: int) -> dict[str, Any]:
             puller.reset_prefix_cache()
             start = time.perf_counter()
             if mode == "pulled":
-                carried = _carried(export_prefix(holder, prompt, None, by_reference), by_reference)
-                imported = import_prefix(puller, prompt, None, carried)
+                exported = export_prefix(holder.kv, prompt, None, by_reference)
+                carried = _carried(exported, by_reference)
+                imported = import_prefix(puller.kv, prompt, None, carried)
                 assert not imported.rejected, imported.rejected
                 pull_s.append(time.perf_counter() - start)
                 pulled_bytes = carried.num_bytes

@@ -34,9 +34,12 @@ from bench.experiments.prefix.pull import first_token, system_prompt, two_replic
 from bench.harness.launcher import ServeCluster
 from bench.harness.redis_server import LocalRedis
 from bench.report import spread
-from kvindex.stored import StoreConfig
 from replica.checkpoints import TINY_MODEL, checkpoint_for
-from replica.engine import Engine, EngineConfig, SamplingParams
+from replica.config import EngineConfig
+from replica.engine.engine import Engine
+from replica.model.runner import build_engine
+from replica.sampling.params import SamplingParams
+from replica.store.config import StoreConfig
 from replica.store.layout import StoreGeometry, fingerprint
 from replica.store.node_store import NodeStore
 from replica.store.tier import StoreTier
@@ -84,14 +87,14 @@ def shared_store(engine: Engine, megabytes: int) -> NodeStore:
 
 
 def _with_tier(config: EngineConfig, store: NodeStore) -> Engine:
-    engine = Engine(config)
+    engine = build_engine(config)
     engine.attach_store(StoreTier(store, background=True))
     return engine
 
 
 def engine_rounds(args: argparse.Namespace) -> dict[str, Any]:
     config = engine_config(args)
-    a = Engine(config)
+    a = build_engine(config)
     store = shared_store(a, args.store_mb)
     a.attach_store(StoreTier(store, background=True))
     b = _with_tier(config, store)
@@ -186,7 +189,7 @@ def _kill_round(
 
 def decode_steps(args: argparse.Namespace) -> dict[str, Any]:
     config = engine_config(args).model_copy(update={"max_model_len": None})
-    plain = Engine(config)
+    plain = build_engine(config)
     tiered = _with_tier(config, shared_store(plain, args.store_mb))
     vocab = config.shape.vocab_size
     steps: dict[str, list[float]] = {"off": [], "on": []}

@@ -11,7 +11,13 @@ imported into it would be a copy).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any, Protocol
+
+from ray.serve import context as serve_context
+from ray.serve.request_router import PendingRequest, RunningReplica
 
 
 class LinkedRouter(Protocol):
@@ -78,3 +84,47 @@ class RouterLink:
 
 
 LINK = RouterLink()
+
+
+class ServeLinked:
+    """What every request router the ingress talks to does, written once: it attaches
+    itself to ``LINK`` when Serve makes it (``link()``, from ``initialize_state``), and at
+    each decision records the loop its decisions run on, where the ingress's calls into it
+    must run. A subclass (listed before Serve's router class) ranks in
+    ``rank_candidates``."""
+
+    loop: asyncio.AbstractEventLoop | None = None
+
+    def link(self) -> None:
+        self.loop = None
+        LINK.attach(self)  # type: ignore[arg-type]  # subclasses are LinkedRouters
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        self.loop = asyncio.get_running_loop()
+        return await self.rank_candidates(candidate_replicas, pending_request)
+
+    async def rank_candidates(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[list[RunningReplica]]:
+        raise NotImplementedError
+
+
+@contextlib.contextmanager
+def call_id(call_id: str) -> Iterator[None]:
+    """Serve's request context with ``call_id`` as its internal request id, for one call.
+
+    Serve gives every call made while serving an HTTP request that request's internal id, and
+    its request router keys pending calls by that id: two calls at once (a batch of prompts)
+    would take each other's place and one would never be sent. Each call gets its own.
+    """
+    current = serve_context._get_serve_request_context()
+    own = replace(current, _internal_request_id=call_id)
+    token = serve_context._serve_request_context.set(own)
+    try:
+        yield
+    finally:
+        serve_context._serve_request_context.reset(token)

@@ -1,4 +1,4 @@
-"""What Serve's side of routing (``router.serve_router``) reads from a request Serve hands it,
+"""What Serve's side of routing (``router.serve.router``) reads from a request Serve hands it,
 and the ranking it hands back."""
 
 from __future__ import annotations

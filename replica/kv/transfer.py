@@ -6,7 +6,7 @@ holder's longest *verified* cached prefix of it: per full block its hash, its pa
 its token ids, where it is in the holder's pool and its generation there. The KV (all
 layers' K and V: one contiguous region of the block-major cache per block) travels one of
 two ways. By reference, on the same node, when the holder's pool is shared memory
-(``replica.model.shared_pool``): the receiver copies the blocks straight out of the
+(``replica.kv.shared_pool``): the receiver copies the blocks straight out of the
 holder's pool and keeps a block only if its generation did not change around the copy (it
 was not evicted or reused meanwhile). As bytes otherwise: one uint8 array with a CRC-32 per
 block, copied between steps (no eviction can change a block then), which Ray's object store
@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from replica.model.shared_pool import PoolLocator, read_blocks
+from replica.engine.faces import KVHandle
+from replica.kv.shared_pool import PoolLocator, read_blocks
 
 
 @dataclass(frozen=True)
@@ -81,29 +82,17 @@ class ImportResult:
     rejected: list[str] = field(default_factory=list)  # why the first refused block was
 
 
-def _layout(kv_data: torch.Tensor) -> tuple[str, tuple[int, ...]]:
-    return str(kv_data.dtype), tuple(kv_data.shape[1:])
-
-
-def _kv(engine: Any) -> Any:
-    kv = getattr(engine.runner, "kv_cache", None)
-    if kv is None:
-        raise TypeError("this engine's runner keeps no KV cache (a cost model)")
-    return kv
-
-
 def export_prefix(
-    engine: Any, token_ids: Sequence[int], cache_salt: str | None, by_reference: bool = False
+    kv: KVHandle, token_ids: Sequence[int], cache_salt: str | None, by_reference: bool = False
 ) -> PrefixExport:
     """The engine's verified cached prefix of ``token_ids`` under ``cache_salt``, as blocks:
     their bytes, or (``by_reference``, when the pool is shared) where they are in the pool."""
-    kv = _kv(engine)
-    data = kv.data
-    cache = engine.block_manager.prefix_cache
-    path = cache.lookup(token_ids, cache_salt) if cache is not None else []
-    if not path:
-        return PrefixExport(_layout(data))
-    pool = kv.locator if by_reference else None
+    data = kv.pool.data
+    cache = kv.cache
+    path = kv.lookup(token_ids, cache_salt)
+    if cache is None or not path:
+        return PrefixExport(kv.layout)
+    pool = kv.pool.locator if by_reference else None
     rows = np.zeros((0, 0), np.uint8)
     if pool is None:
         rows = data[path].view(torch.uint8).reshape(len(path), -1).numpy()  # a copy: indexed
@@ -112,15 +101,15 @@ def export_prefix(
         entry = cache.entry(block_id)
         parent = entry.parent.block_hash if entry.parent is not None else None
         crc = zlib.crc32(rows[row]) if pool is None else 0
-        generation = int(kv.generations[block_id])
+        generation = int(kv.pool.generations[block_id])
         blocks.append(
             ExportedBlock(entry.block_hash, parent, entry.token_ids, crc, block_id, generation)
         )
-    return PrefixExport(_layout(data), tuple(blocks), rows, pool)
+    return PrefixExport(kv.layout, tuple(blocks), rows, pool)
 
 
 def import_prefix(
-    engine: Any,
+    kv: KVHandle,
     token_ids: Sequence[int],
     cache_salt: str | None,
     export: PrefixExport,
@@ -129,22 +118,20 @@ def import_prefix(
     """Publish the verified blocks of ``export`` that this engine lacks (see the module).
     ``expected``: this engine's own chain of ``token_ids`` under ``cache_salt``, if the
     caller has it (computed here otherwise); never the export's."""
-    data = _kv(engine).data
-    manager = engine.block_manager
-    cache = manager.prefix_cache
+    data = kv.pool.data
     result = ImportResult()
-    if cache is None:
+    if kv.cache is None:
         result.rejected.append("this engine has no prefix cache")
         return result
-    if export.layout != _layout(data):
-        result.rejected.append(f"layout {export.layout} is not this cache's {_layout(data)}")
+    if export.layout != kv.layout:
+        result.rejected.append(f"layout {export.layout} is not this cache's {kv.layout}")
         return result
     if expected is None:
-        expected = manager.hasher.chain(token_ids, cache_salt)
-    held = cache.lookup(token_ids, cache_salt, expected)
+        expected = kv.manager.hasher.chain(token_ids, cache_salt)
+    held = kv.lookup(token_ids, cache_salt, expected)
     result.already_held = len(held)
-    count = _verified(export, token_ids, expected, len(held), manager.block_size, data, result)
-    _publish(engine, export, held, count, data, token_ids, expected, cache_salt, result)
+    count = _verified(export, token_ids, expected, len(held), kv.block_size, data, result)
+    _publish(kv, export, held, count, token_ids, expected, cache_salt, result)
     return result
 
 
@@ -189,11 +176,10 @@ def _verified(
 
 
 def _publish(
-    engine: Any,
+    kv: KVHandle,
     export: PrefixExport,
     held: list[int],
     count: int,
-    data: torch.Tensor,
     token_ids: Sequence[int],
     expected: list[bytes],
     cache_salt: str | None,
@@ -203,12 +189,12 @@ def _publish(
     arrived intact, and release them (cached), deepest first, as a sequence releases its
     blocks: a parent is never evicted before its children (an evicted parent would strand
     them). Blocks that did not arrive intact go back free, unpublished."""
-    manager = engine.block_manager
-    allocator, cache, bs = manager.allocator, manager.prefix_cache, manager.block_size
+    allocator, cache, bs = kv.allocator, kv.cache, kv.block_size
+    assert cache is not None  # checked by the caller
     for block in held:  # pinned while allocating: the allocation must not evict them
         allocator.share(block)
     ids = allocator.allocate(min(count, allocator.num_available))
-    arrived = _copy_in(export, len(held), ids, data) if ids else 0
+    arrived = _copy_in(export, len(held), ids, kv.pool.data) if ids else 0
     parent = held[-1] if held else None
     for offset, block_id in enumerate(ids[:arrived]):
         i = len(held) + offset

@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvindex.hashing import BlockHasher
-from replica.engine.block_allocator import BlockAllocator
-from replica.engine.prefix_cache import PrefixCache
+from replica.engine.blocks.allocator import BlockAllocator
+from replica.engine.blocks.prefix_cache import PrefixCache
 from replica.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class BlockUsage:
+    """The pool's blocks by state, and what the prefix cache counted (``EngineStats``)."""
+
+    total: int
+    free: int
+    cached: int
+    in_use: int
+    evictions: int
+    hash_mismatches: int
 
 
 class BlockManager:
@@ -37,6 +51,17 @@ class BlockManager:
             num_blocks, block_size, self.prefix_cache, protected_fraction
         )
         self._copies: list[tuple[int, int]] = []  # (src, dst) for the next forward pass
+
+    def usage(self) -> BlockUsage:
+        alloc, cache = self.allocator, self.prefix_cache
+        return BlockUsage(
+            total=alloc.num_blocks,
+            free=alloc.num_free,
+            cached=alloc.num_cached,
+            in_use=alloc.num_in_use,
+            evictions=cache.num_evictions if cache else 0,
+            hash_mismatches=cache.num_hash_mismatches if cache else 0,
+        )
 
     def admit(self, seq: Sequence, token_budget: int, reserve_blocks: int = 0) -> int | None:
         """Give a waiting sequence its blocks; return how many tokens it computes now.

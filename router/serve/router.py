@@ -6,9 +6,9 @@ caller's process (the ingress), one instance per handle. For each request it tak
 replica holds of it and what is booked there, and lets the routing core rank the replicas;
 it returns one rank per replica, so a full first choice spills over to the next instead of
 queueing. Every decision is booked in the core and shared with the other ingress replicas'
-routers; the ingress reports first tokens through ``router.link``.
+routers; the ingress reports first tokens through ``router.serve.link``.
 
-With ``index.mirror`` (opt-in) the index is this router's live copy of it
+With ``index.mirror`` (the default) the index is this router's live copy of it
 (``kvindex.mirror``): a decision reads memory, and the bookings go to Redis as one share of
 this router's totals every ``share_interval_s`` (``IndexReader.ashare``), which the other
 routers' mirrors add up. Without it, or while the copy is not synced, one query per decision
@@ -21,7 +21,6 @@ Serve pickles this module by value: state shared with the ingress is reached as
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -31,23 +30,24 @@ from typing import Any
 from ray.serve._private.request_router.common import ReplicaQueueLengthCache
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from kvindex.channel import BookingChannel, QueriedChannel, SharedChannel
 from kvindex.config import IndexConfig
-from kvindex.mirror import IndexMirror
-from kvindex.pulls import PullConfig
-from kvindex.reader import Answer, IndexReader
-from kvindex.records import Booking, RoutingRequest
-from kvindex.stored import StoreConfig
-from router import link, routing_stats
+from kvindex.pulls import PullPrices
+from kvindex.reader import IndexReader
+from kvindex.records import RoutingRequest
+from kvindex.stored import StorePrices
+from router import routing_stats
 from router.config import ServedPolicy, make_policy, routing_config
 from router.core import Decision, RoutingCore
-from router.queue_lengths import QueueLengths
 from router.recent_routes import RecentRoutes
-from router.serve_ranking import Ranked, pull_target, routing_request
+from router.serve import link
+from router.serve.queue_lengths import QueueLengths
+from router.serve.ranking import Ranked, pull_target, routing_request
 
 log = logging.getLogger("ray.serve")
 
 
-class PrefixAwareRequestRouter(RequestRouter):
+class PrefixAwareRequestRouter(link.ServeLinked, RequestRouter):
     """Ranks engine replicas with a prefix-aware policy (no FIFO mixin: a choice made for a
     request must serve that request, not whichever request is oldest)."""
 
@@ -63,40 +63,29 @@ class PrefixAwareRequestRouter(RequestRouter):
         cache = getattr(self, "_replica_queue_len_cache", None)
         if type(cache) is ReplicaQueueLengthCache:  # Serve's, readable as a column instead
             self._replica_queue_len_cache = QueueLengths.replacing(cache)
-        pulls = PullConfig.model_validate(pull or {})
-        stores = StoreConfig.model_validate(store or {"enabled": False})
+        pulls = PullPrices.model_validate(pull or {})
+        stores = StorePrices.model_validate(store or {"enabled": False})
         policy = make_policy(self.config, pulls, stores)
         self.core = RoutingCore(policy, RecentRoutes(), pulls, stores)
         self.index_config = index_config = IndexConfig.model_validate(index or {})
-        self.index = IndexReader(index_config, model_id)
-        # the index as this router follows it (``index.mirror``; module docstring)
         self.router_id = uuid.uuid4().hex[:12]
-        self.mirror = None
-        if index_config.mirror:
-            mirror = self.mirror = IndexMirror(index_config, model_id, router_id=self.router_id)
-            mirror.start()
+        self.channel = _channel(self.core, index_config, model_id, self.router_id, self.config)
+        self.index, self.mirror = self.channel.index, self.channel.mirror
+        if self.mirror is not None:
+            mirror = self.mirror
             routing_stats.MIRROR_SYNCED.set_function(lambda: float(mirror.synced()))
             routing_stats.MIRROR_SYNCED_AT.set_function(lambda: mirror.synced_at or 0.0)
-        self._predictions: list[tuple[str, tuple[bytes, ...]]] = []  # routed since the share
-        self._share_due = True
-        self._closed = False
-        self._share_task: asyncio.Task[Any] | None = None
         self.stats = routing_stats.RouterStats(self.config.policy)
         self._last_candidates: list[RunningReplica] | None = None
         self._by_id: dict[str, RunningReplica] = {}
         self._candidate_ids: list[str] = []
         self._decisions: dict[str, Decision] = {}  # request -> its decision, until routed
         self._requests: dict[str, str] = {}  # Serve's internal request id -> ours
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self.loop: asyncio.AbstractEventLoop | None = None
-        link.LINK.attach(self)
+        self.link()
 
-    async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
+    async def rank_candidates(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
     ) -> list[list[RunningReplica]]:
-        self.loop = asyncio.get_running_loop()  # where the ingress's calls must run
         if not candidate_replicas:
             return []
         target = pull_target(pending_request)
@@ -125,7 +114,10 @@ class PrefixAwareRequestRouter(RequestRouter):
         ranking, the decision kept until Serve says where the request went."""
         start = time.perf_counter()
         by_id, ids = self._candidates(candidate_replicas)
-        answer = await self._answer(request) if self.core.policy.uses_index else None
+        answer = None
+        if self.core.policy.uses_index:
+            answer, outcome = await self.channel.answer(request.block_hashes)
+            routing_stats.INDEX_ANSWERS.labels(outcome).inc()
         queued = self.replica_queue_len_cache  # as swapped, read as one column (or a test's)
         queued = queued if isinstance(queued, QueueLengths) else None
         nodes = None
@@ -162,27 +154,18 @@ class PrefixAwareRequestRouter(RequestRouter):
         if decision is None:
             return
         self._requests[pending_request.metadata.internal_request_id] = request.request_id
-        booking = self.core.routed(decision, rid)
-        if self.mirror is None:
-            self._spawn(self._book(booking))
-        else:  # shared at the next share; its prompt predicted held there (as a booking does)
-            self._predictions.append((rid, tuple(booking.block_hashes)))
-            self.mirror.predict(rid, booking.block_hashes, self.config.predict_ttl_s)
-            self._share_due = True
+        self.channel.booked(self.core.routed(decision, rid))
 
     def prefill_done(self, request_id: str) -> None:
         """The ingress saw the request's first token: its prompt no longer loads the replica."""
         booking = self.core.prefill_done(request_id)
-        if booking is not None and self.mirror is None:
-            self._spawn(self.index.aprefill_done(booking.replica_id, request_id))
-        self._share_due = True
+        if booking is not None:
+            self.channel.prefill_done(booking)
 
     def others_in_flight(self) -> int | None:
         """Requests the other ingress replicas' routers have in the engines, from their
         shares in this router's mirror (None without a synced mirror)."""
-        if self.mirror is None or not self.mirror.synced():
-            return None
-        return self.mirror.state.shared_in_flight
+        return self.channel.others_in_flight()
 
     def engine_replicas(self) -> int | None:
         """The engine replicas Serve runs and routes to now (None before it told)."""
@@ -208,74 +191,33 @@ class PrefixAwareRequestRouter(RequestRouter):
         if request_id is None:
             return
         booking = self.core.release(request_id, replica_id.unique_id)
-        if booking is not None and self.mirror is None:
-            self._spawn(self.index.arelease(booking.replica_id, request_id))
-        self._share_due = True
+        if booking is not None:
+            self.channel.released(booking)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.core.drop_replica(replica_id.unique_id)  # Redis purges it when reaped
 
-    async def _answer(self, request: RoutingRequest) -> Answer | None:
-        """The index's answer: the mirror's, with the bookings it has applied acknowledged
-        (so they are not counted twice); Redis's while the mirror is not synced."""
-        answer = None
-        if self.mirror is not None:
-            if self._share_task is None:  # on the router's loop, from its first decision
-                self._share_task = asyncio.get_running_loop().create_task(self._share_loop())
-            answer = self.mirror.query(request.block_hashes)
-            outcome = "mirror"
-        if answer is None:
-            answer = await self.index.aquery(request.block_hashes)
-            outcome = "answered"
-        routing_stats.INDEX_ANSWERS.labels("unknown" if answer is None else outcome).inc()
-        return answer
-
-    async def _book(self, booking: Booking) -> None:
-        cfg = self.config
-        if await self.index.abook(booking, cfg.predict_ttl_s, cfg.booking_ttl_s):
-            self.core.acknowledged(booking.request_id)
-
-    async def _share_loop(self) -> None:
-        """Share this router's bookings when they changed (while another router is sharing
-        too), and at least every heartbeat interval (others drop them after
-        ``heartbeat_ttl_s``); never raises.
-
-        A router alone (no other router's share in its mirror: one ingress, the default)
-        has nobody to tell within 20 ms, and sharing 50 times a second costs the ingress's
-        CPU (TTFT, docs/results.md); so it shares only every heartbeat interval, which is
-        how a second router sees it, and speeds up once that router's shares arrive."""
-        cfg = self.index_config
-        last = 0.0
-        while True:
-            await asyncio.sleep(cfg.share_interval_s)
-            now = time.monotonic()
-            others = self.mirror is not None and bool(self.mirror.state.shares)
-            if (self._share_due and others) or now - last >= cfg.heartbeat_interval_s:
-                last = now if await self.share() else last
-
     def close(self) -> None:
-        """The ingress is stopping: the mirror's thread ends and this router's shared
-        bookings leave the index now, not a heartbeat TTL later (no share after this)."""
-        self._closed = True
-        if self.mirror is not None:
-            self.mirror.stop()
-            self.index.unshare(self.router_id)
+        """The ingress is stopping: the channel lets go of the index (its shares leave now)."""
+        self.channel.close()
 
     async def share(self) -> int:
-        """Share this router's bookings now: the log's sequence number, 0 if not taken."""
-        if self._closed:
-            return 0
-        load = self.core.bookings.totals()
-        totals = {r: (v.prefill_tokens, v.in_flight, v.decode_blocks) for r, v in load.items()}
-        predictions, self._predictions = self._predictions, []
-        self._share_due = False
-        ttl = self.index_config.heartbeat_ttl_s
-        return await self.index.ashare(
-            self.router_id, ttl, totals, predictions, self.config.predict_ttl_s
+        """Share this router's bookings now (a mirror's channel; 0 otherwise)."""
+        return await self.channel.share()
+
+
+def _channel(
+    core: RoutingCore, config: IndexConfig, model_id: str, router_id: str, routing: ServedPolicy
+) -> BookingChannel:
+    """The router's booking channel (``kvindex.channel``): shares over a mirror, or one
+    Redis call per decision and booking change."""
+    index = IndexReader(config, model_id)
+    if not config.mirror:
+        return QueriedChannel(
+            index, routing.predict_ttl_s, routing.booking_ttl_s, core.acknowledged
         )
 
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    return SharedChannel(
+        index, config, model_id, router_id, routing.predict_ttl_s, core.bookings.totals
+    )

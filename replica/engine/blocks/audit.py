@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from replica.engine.block_manager import BlockManager
+from replica.engine.blocks.manager import BlockManager
 from replica.engine.sequence import Sequence
 
 
