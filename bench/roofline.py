@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from replica.checkpoints.shape import ModelShape
+from replica.model.cpu import resolve_dtype
 
 FLOPS_PER_CYCLE = {"amx": 1024, "avx512_bf16": 128, "avx512": 64, "avx2": 32, "portable": 2}
 
@@ -91,7 +93,7 @@ def machine_fractions(
     threads: int,
     prefill: tuple[int, float],
     decode_b1: tuple[int, float] | None,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """``prefill``: (prompt tokens, tokens/s); ``decode_b1``: (context, tokens/s) of a
     decode at batch 1. The fractions of peak and of bandwidth, and what they are of."""
     hz = clock_hz()
@@ -111,3 +113,21 @@ def machine_fractions(
         out["decode_b1_gb_s"] = rate * decode_bytes_per_token(shape, dtype, context) / 1e9
         out["decode_b1_of_bandwidth"] = out["decode_b1_gb_s"] * 1e9 / bandwidth
     return out
+
+
+def of_speed_run(
+    shape: ModelShape,
+    dtype_name: str,
+    threads: int,
+    prefill_tokens: int,
+    b1_context: int,
+    ours: dict[str, Any],
+) -> dict[str, Any]:
+    """``machine_fractions`` of a ``speed`` run's medians of our engine (in this process, so
+    ``linear_path`` names the path that ran)."""
+    dtype = resolve_dtype(dtype_name)
+    path = str(torch.ops.prefix_serve.linear_path(dtype))
+    prefill = (prefill_tokens, ours["prefill_tokens_per_s"]["median"])
+    b1 = ours.get("decode_tokens_per_s_b1")
+    decode = (b1_context, b1["median"]) if b1 else None
+    return machine_fractions(shape, dtype, path, threads, prefill, decode)

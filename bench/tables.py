@@ -1,7 +1,8 @@
 """The README's result tables, rendered from the JSON a run kept under ``docs/results/``.
 
 ``python -m bench.tables docs/results/<run>.json`` prints the table of a ``speed`` run
-(ours next to vLLM) or a ``stack`` run (our cluster next to Ray Serve LLM), with the commit
+(ours next to vLLM, or without peers how close ours came to the machine) or a ``stack`` run
+(our cluster next to Ray Serve LLM), with the commit
 and CPU it measured. The README places each table after a marker naming its file
 (``<!-- table: docs/results/<run>.json -->``), and ``tests/test_results_tables.py`` checks
 that every such table is exactly what this prints: a table cannot drift from its run.
@@ -105,11 +106,30 @@ def _starts(summary: dict[str, Any]) -> str:
     return f"{cold[0]:.0f} / {warm_median:.0f}"
 
 
+def machine_table(run: dict[str, Any]) -> str:
+    """How close our engine's medians came to the machine (a ``speed`` run's ``machine``)."""
+    m, prefill = run["machine"], run["conditions"]["prefill_tokens"]
+    return "\n".join(
+        [
+            f"| {run['dtype']}, {m['path']} path | ours | the machine's | fraction |",
+            "| --- | --- | --- | --- |",
+            f"| prefill ({prefill:,} tokens), GFLOP/s | {m['prefill_gflops']:.0f} "
+            f"| {m['peak_gflops']:.0f} (peak at {m['clock_ghz']:.2f} GHz) "
+            f"| {m['prefill_of_peak']:.2f} |",
+            f"| decode at batch 1, GB/s read | {m['decode_b1_gb_s']:.1f} "
+            f"| {m['bandwidth_gb_s']:.1f} (measured) | {m['decode_b1_of_bandwidth']:.2f} |",
+        ]
+    )
+
+
 def render(path: Path, name: str | None = None) -> str:
     """The table of the run kept at ``path`` (cited as ``name``, else the path as given),
     and the line naming what it measured."""
     run = json.loads(path.read_text())
-    table = stack_table(run) if "rounds" in run else speed_table(run)
+    if "rounds" in run:
+        table = stack_table(run)
+    else:
+        table = speed_table(run) if "vllm" in run else machine_table(run)
     return f"{table}\n\n({provenance_line(run)}; `{name or path.as_posix()}`)"
 
 

@@ -135,3 +135,16 @@ def test_repeated_runs_report_one_p99_of_all_their_requests() -> None:
     assert merged["ttft_pooled_p99_s"] == 2.0  # 10 of 200 requests took 2 s
     assert merged["ttft_pooled_p50_s"] == 0.1 and merged["runs"] == 2
     assert merged["requests_by_run"] == [[], []]
+
+
+def test_speed_without_peers_reports_how_close_ours_came_to_the_machine(tmp_path: Path) -> None:
+    result = run_experiment(
+        "speed", "--model", "tiny-llama-6m", "--dtype", "float32", "--peers", "ours",
+        "--batches", "1", "--repeats", "1", "--prefill-tokens", "64", "--decode-tokens", "8",
+        "--out", str(tmp_path / "speed.json"),
+    )  # fmt: skip
+    machine = result["machine"]
+    assert machine["path"] in {"amx", "avx512_bf16", "avx512", "avx2", "portable"}
+    assert machine["prefill_of_peak"] > 0 and machine["decode_b1_of_bandwidth"] > 0
+    assert machine["bandwidth_gb_s"] > 0 and machine["peak_gflops"] > 0
+    assert "machine" in json.loads((tmp_path / "speed.json").read_text())

@@ -48,13 +48,11 @@ from bench.peers.engines import (
 )
 from bench.peers.host import PRELOADS, provenance, vllm_env
 from bench.report import spread
-from bench.roofline import machine_fractions
+from bench.roofline import of_speed_run
 from bench.workloads import TraceRequest
 from replica.checkpoints import SMOLLM2, checkpoint_for
-from replica.checkpoints.shape import ModelShape
 from replica.checkpoints.tokenizer import Tokenizer
 from replica.config import EngineConfig
-from replica.model.cpu import resolve_dtype
 from replica.model.runner import build_engine
 from replica.sampling.params import SamplingParams
 
@@ -143,23 +141,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "order": "ABBA: each job on every engine in turn, the order reversed every repeat",
     }
     if "ours" in names:
-        result["machine"] = _machine(args, checkpoint.shape, prompts, result["ours"])
+        chat = len(prompts["chats"][0]) + args.decode_tokens // 2  # batch 1's mean context
+        prefill = len(prompts["prefill"])
+        result["machine"] = of_speed_run(
+            checkpoint.shape, args.dtype, args.threads, prefill, chat, result["ours"]
+        )
     result["peer_processes"] = processes
     result["provenance"] = measured
     return result
 
-
-def _machine(
-    args: argparse.Namespace, shape: ModelShape, prompts: dict[str, Any], ours: dict[str, Any]
-) -> dict[str, Any]:
-    """How close our medians are to this machine (``bench.roofline``), for the path that ran."""
-    dtype = resolve_dtype(args.dtype)
-    path = str(torch.ops.prefix_serve.linear_path(dtype))
-    prefill = (len(prompts["prefill"]), ours["prefill_tokens_per_s"]["median"])
-    b1 = ours.get("decode_tokens_per_s_b1")
-    context = len(prompts["chats"][0]) + args.decode_tokens // 2
-    decode = (context, b1["median"]) if b1 else None
-    return machine_fractions(shape, dtype, path, args.threads, prefill, decode)
 
 
 def _jobs(
