@@ -48,6 +48,9 @@ bench: install
 	$(PY) -m bench speed --model smollm2-135m-instruct --dtype bfloat16 \
 	    --threads 2 --peers ours,vllm --batches 1,8,32 --prefill-tokens 1024 \
 	    --decode-tokens 64 --repeats 4 --out results/speed-vllm-bfloat16.json
+	$(PY) -m bench speed --model smollm2-135m-instruct --dtype float32 --threads 2 \
+	    --peers ours --batches 1 --prefill-tokens 1024 --decode-tokens 64 --repeats 4 \
+	    --out results/machine-float32.json
 	$(PY) -m bench stack --stacks ours,ray-llm --repeats 6 --prompts 120 \
 	    --prefixes 6 --prefix-len 512 --suffix-len 64 --output-len 64 --rate 4 \
 	    --concurrency 8 --seed 0 --out results/stack.json
