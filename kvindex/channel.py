@@ -29,7 +29,7 @@ from kvindex.mirror import IndexMirror
 from kvindex.reader import IndexReader
 from kvindex.records import Booking, Load, ReplicaTable
 
-# this router's booked load per replica: (prefill tokens, in flight, decode blocks)
+# this router's booked load per replica (its ``Bookings.totals``)
 Totals = Callable[[], Mapping[str, Load]]
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -61,7 +62,7 @@ class Puller:
     def __init__(
         self,
         engine: Engine,
-        run_on_engine: Any,
+        run_on_engine: Callable[..., Awaitable[Any]],
         replica_id: str,
         index: IndexConfig,
         config: PullConfig,
@@ -109,7 +110,7 @@ class Puller:
         c.pull_seconds += time.monotonic() - start
         c.pull_blocks_refused += len(export.blocks) - result.already_held - result.imported
 
-    async def _best_holder(self, chain: Any) -> str | None:
+    async def _best_holder(self, chain: Sequence[bytes]) -> str | None:
         """The live replica to pull ``chain`` from (``kvindex.pulls.pull_source``), by the
         index's answer, which costs no wait on the engine."""
         answer = await self.reader.aquery(chain)

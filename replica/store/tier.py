@@ -112,7 +112,9 @@ class StoreTier:
         self._released.clear()
         self.spill(items, kv.rows(), kv.allocator.generations)
 
-    def spill(self, items: Sequence[SpillItem], pool: np.ndarray, generations: Any) -> None:
+    def spill(
+        self, items: Sequence[SpillItem], pool: np.ndarray, generations: np.ndarray
+    ) -> None:
         """Copy released blocks of ``pool`` (uint8 rows, one a block) into the store."""
         if not items:
             return
@@ -178,7 +180,9 @@ class StoreTier:
             if self._queue.empty():
                 self._idle.set()
 
-    def _spill_now(self, items: Sequence[SpillItem], pool: np.ndarray, generations: Any) -> None:
+    def _spill_now(
+        self, items: Sequence[SpillItem], pool: np.ndarray, generations: np.ndarray
+    ) -> None:
         stored, removed = [], []
         for item in items:
             if int(generations[item.block_id]) != item.generation:

@@ -2,10 +2,10 @@
 
 Serve builds the request router itself (from an import path and keyword arguments) and runs
 its decisions on an event loop of its own thread, so the ingress cannot be handed a reference
-to it. The router attaches itself here when Serve makes it, and records its loop at its first
-decision; the ingress calls through the link. This is the one process-wide rendezvous: the
-router reaches it as ``link.LINK`` (Serve pickles the router's module by value, so a name
-imported into it would be a copy).
+to it. The router attaches itself here when Serve makes it, and records its loop at each
+decision (``ServeLinked``); the ingress calls through the link. This is the one
+process-wide rendezvous: the router reaches it as ``link.LINK`` (Serve pickles the router's
+module by value, so a name imported into it would be a copy).
 """
 
 from __future__ import annotations
