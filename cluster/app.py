@@ -10,6 +10,7 @@ from ray.serve.config import RequestRouterConfig
 from cluster.config import ClusterArgs
 from cluster.ingress import Ingress
 from replica.deployment import EngineReplica
+from replica.vllm_replica import VLLMReplica
 from router.config import RayRouting
 
 # Ray's own prefix router, a peer to compare with (ships inside `ray`); ``ray_default`` is
@@ -54,7 +55,8 @@ def build_app(args: dict[str, Any]) -> Application:
     )
     if cluster.max_replicas_per_node is not None:  # else Serve's default: spread, softly
         scaling["max_replicas_per_node"] = cluster.max_replicas_per_node
-    engine = EngineReplica.options(
+    replica = VLLMReplica if cluster.engine.backend == "vllm" else EngineReplica
+    engine = replica.options(
         **scaling,
         max_ongoing_requests=cluster.max_ongoing_requests,
         # The ingress's Admission is the one queue cap: Serve's own would count requests

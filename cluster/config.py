@@ -97,6 +97,16 @@ class ClusterArgs(BaseModel):
         False, description="with api_keys: let different keys share cached prefixes"
     )
 
+    @model_validator(mode="after")
+    def _backend_parts(self) -> ClusterArgs:
+        """Pulls and the node store move the native engine's blocks; vLLM's are its own."""
+        if self.engine.backend == "vllm" and (self.pull.enabled or self.store.enabled):
+            raise ValueError(
+                "engine.backend vllm: set pull.enabled and store.enabled to false (pulls and "
+                "the node store hold the native engine's KV blocks only)"
+            )
+        return self
+
     @property
     def max_engine_replicas(self) -> int:
         """Engine replicas there can be at most (the admission cap counts their slots)."""

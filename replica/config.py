@@ -10,7 +10,48 @@ from kvindex.hashing import BlockHasher
 from replica.checkpoints import SMOLLM2
 from replica.checkpoints.shape import ModelShape
 
-__all__ = ["EngineConfig", "ModelShape"]
+__all__ = ["EngineConfig", "ModelShape", "VLLMOptions"]
+
+
+# AsyncEngineArgs that EngineConfig's own fields set (replica.vllm.engine)
+VLLM_KWARGS_OURS = frozenset(
+    {
+        "model",
+        "served_model_name",
+        "block_size",
+        "num_gpu_blocks_override",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "enable_chunked_prefill",
+        "max_model_len",
+        "enable_prefix_caching",
+        "dtype",
+        "seed",
+        "kv_events_config",
+    }
+)
+
+
+class VLLMOptions(BaseModel):
+    """What only the ``vllm`` backend reads (``EngineConfig.backend``); the shared fields
+    (block size, blocks, batch sizes, context, dtype, seed, threads) are ``EngineConfig``'s.
+
+    ``engine_kwargs`` go to vLLM's ``AsyncEngineArgs`` as they are, after ours (a key set
+    both here and by ``EngineConfig`` is refused: one place says each thing).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    enforce_eager: bool = Field(
+        True, description="no torch.compile (start in seconds, not minutes, on CPU)"
+    )
+    kv_cache_gib: int = Field(
+        1, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU (num_blocks caps the blocks)"
+    )
+    engine_kwargs: dict[str, object] = Field(default_factory=dict)
+    events_replay_buffer: int = Field(
+        10_000, gt=0, description="event batches vLLM keeps for a subscriber to replay"
+    )
 
 
 class EngineConfig(BaseModel):
@@ -31,6 +72,12 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
+    backend: Literal["native", "vllm"] = Field(
+        "native",
+        description="native: this project's engine; vllm: vLLM's engine from a Hugging Face "
+        "folder (the `vllm` extra), its KV events bridged to the index",
+    )
+    vllm: VLLMOptions = Field(default_factory=VLLMOptions)
     model: str | ModelShape = Field(
         SMOLLM2, description="built-in name, .gguf file, Hugging Face folder, or shape"
     )
@@ -90,12 +137,28 @@ class EngineConfig(BaseModel):
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs")
         if self.deterministic and self.dtype == "float64":
             raise ValueError("deterministic serving supports bfloat16 and float32, not float64")
+        if self.backend == "vllm":
+            self._check_vllm()
         if self.max_model_len is not None and self.max_model_len > self.shape.max_position:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's context of "
                 f"{self.shape.max_position} tokens"
             )
         return self
+
+    def _check_vllm(self) -> None:
+        """What the vLLM backend needs: a Hugging Face folder (vLLM loads it, the ingress
+        tokenizes with its tokenizer), full blocks vLLM can hash (a multiple of 16; its CPU
+        attention takes multiples of 32), no engine keyword said twice."""
+        from pathlib import Path
+
+        if isinstance(self.model, ModelShape) or not Path(self.model).expanduser().is_dir():
+            raise ValueError("backend vllm serves a Hugging Face folder: model must name one")
+        if self.block_size % 16:
+            raise ValueError("backend vllm: block_size must be a multiple of 16 (32 on CPU)")
+        twice = VLLM_KWARGS_OURS.intersection(self.vllm.engine_kwargs)
+        if twice:
+            raise ValueError(f"vllm.engine_kwargs sets what engine sets: {sorted(twice)}")
 
     @property
     def shape(self) -> ModelShape:

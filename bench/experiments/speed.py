@@ -151,7 +151,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-
 def _jobs(
     prompts: dict[str, Any], batches: list[int], n: int
 ) -> list[tuple[str, list[list[int]], int]]:

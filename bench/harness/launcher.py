@@ -86,11 +86,14 @@ class ServeCluster:
         app_args: dict[str, Any] | None = None,
         ray: PrivateRay | None = None,
         dashboard: bool = False,
+        python: Path | None = None,
     ) -> None:
         """``repo`` and ``app_args``: another revision of this project (a worktree) and its
         builder's arguments as written in that revision's schema; ``args`` must then name
         the same model and index (readiness is read from the index). ``dashboard``: its own
-        Ray runs Ray's dashboard (``scale`` and ``dashboard_url`` need it)."""
+        Ray runs Ray's dashboard (``scale`` and ``dashboard_url`` need it). ``python``: the
+        interpreter of another virtualenv that has this project installed (the vLLM
+        backend's, ``make install-vllm``): its ``serve`` and its Ray run the cluster."""
         self.args = args
         self.ray_address = ray_address
         self.repo = repo
@@ -103,6 +106,7 @@ class ServeCluster:
         self._ray: PrivateRay | None = ray
         self._own_ray = ray is None and ray_address is None
         self._dashboard = dashboard
+        self.python = Path(python or sys.executable)
 
     def start(self, timeout_s: float = 180.0) -> ServeCluster:
         config = self._dir / "config.yaml"
@@ -115,9 +119,9 @@ class ServeCluster:
             env["RAY_ADDRESS"] = self.ray_address
         else:
             if self._ray is None:
-                self._ray = PrivateRay(self.log_path, self._dashboard).start(env)
+                self._ray = PrivateRay(self.log_path, self._dashboard).start(env, self.python)
             env.update(self._ray.env)
-        serve = Path(sys.executable).with_name("serve")
+        serve = self.python.with_name("serve")
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
                 [str(serve), "run", str(config)],
@@ -208,7 +212,7 @@ class ServeCluster:
         config["applications"][0]["deployments"] = deployments
         path = self._dir / "redeploy.yaml"
         path.write_text(yaml.safe_dump(config))
-        serve = Path(sys.executable).with_name("serve")
+        serve = self.python.with_name("serve")
         env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
         address = ["--address", self.dashboard_url()]
         subprocess.run(

@@ -49,8 +49,10 @@ class PrivateRay:
     def dashboard_url(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
-    def start(self, env: dict[str, str]) -> PrivateRay:
-        ray = Path(sys.executable).with_name("ray")
+    def start(self, env: dict[str, str], python: Path | None = None) -> PrivateRay:
+        """``python``: the interpreter whose Ray starts (its workers run in it; default
+        this one)."""
+        ray = Path(python or sys.executable).with_name("ray")
         command = [
             str(ray),
             "start",

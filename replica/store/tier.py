@@ -112,9 +112,7 @@ class StoreTier:
         self._released.clear()
         self.spill(items, kv.rows(), kv.allocator.generations)
 
-    def spill(
-        self, items: Sequence[SpillItem], pool: np.ndarray, generations: np.ndarray
-    ) -> None:
+    def spill(self, items: Sequence[SpillItem], pool: np.ndarray, generations: np.ndarray) -> None:
         """Copy released blocks of ``pool`` (uint8 rows, one a block) into the store."""
         if not items:
             return
