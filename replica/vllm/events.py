@@ -83,7 +83,7 @@ class EventSubscriber:
         endpoint: str,
         replay_endpoint: str,
         on_lost: Callable[[], None],
-        probe_s: float = 2.0,
+        probe_s: float = 1.0,
         drop: Iterable[int] = (),
     ) -> None:
         self.bridge = bridge
