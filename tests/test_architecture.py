@@ -103,6 +103,7 @@ REPLICA_FLOORS = (
     ("replica.engine",),
     ("replica.kv",),
     ("replica.model", "replica.store"),
+    ("replica.vllm",),  # vLLM's engine serves in the dtype ours would (replica.model.cpu)
     (
         "replica.args",
         "replica.deployment",
@@ -111,6 +112,7 @@ REPLICA_FLOORS = (
         "replica.pull",
         "replica.pull_config",
         "replica.store_publisher",
+        "replica.vllm_replica",
     ),
 )
 # the two rooms of one floor that may not import each other either

@@ -41,8 +41,9 @@ VOCAB = range(1000, 20000)  # ordinary tokens of SmolLM2's vocabulary (no specia
 
 
 def _paths() -> tuple[Path, Path]:
-    python, folder = os.environ.get("PREFIX_SERVE_VLLM_PYTHON"), os.environ.get(
-        "PREFIX_SERVE_HF_MODEL"
+    python, folder = (
+        os.environ.get("PREFIX_SERVE_VLLM_PYTHON"),
+        os.environ.get("PREFIX_SERVE_HF_MODEL"),
     )
     if not (python and folder):
         pytest.fail("run through `make test` (it installs vLLM's virtualenv: make install-vllm)")
@@ -200,9 +201,7 @@ def test_evicted_blocks_leave_the_index(cluster: ServeCluster, client: openai.Op
     assert predicted == served
 
 
-def test_a_killed_replica_leaves_the_index(
-    cluster: ServeCluster, client: openai.OpenAI
-) -> None:
+def test_a_killed_replica_leaves_the_index(cluster: ServeCluster, client: openai.OpenAI) -> None:
     """SIGKILL (no destructor runs): its heartbeat lapses and the index drops it and its
     blocks; the other replica serves on."""
     replicas = cluster.stats()["replicas"]

@@ -23,6 +23,7 @@ import httpx
 from bench.experiments.routing_args import (
     add_workload_arguments,
     check_knobs,
+    experiment_engine,
     our_routing,
     section_name,
     split_mirror,
@@ -35,13 +36,14 @@ from bench.harness.private_ray import PrivateRay
 from bench.harness.redis_server import LocalRedis
 from bench.loadgen import drive, progress_printer
 from bench.report import combine, slug, summarize, write_report
-from bench.workloads import TraceRequest, fast_engine, oracle_hit_rate, save_trace
+from bench.workloads import TraceRequest, oracle_hit_rate, save_trace
 from cluster.config import ClusterArgs
 from kvindex.config import IndexConfig
 from kvindex.reader import IndexReader
 from replica.checkpoints import checkpoint_for
 from replica.config import EngineConfig
 from replica.pull_config import PullConfig
+from replica.store.config import StoreConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +61,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = args.out or Path(f"results/routing-{args.workload}")
     policies = [p for p in args.policies.split(",") if p]
     check_knobs(policies, json.loads(args.knobs) if args.knobs else {}, args.epsilon)
-    engine = fast_engine(args.model, num_blocks=args.num_blocks)
+    engine = experiment_engine(args)
+    python = args.vllm_python.absolute() if engine.backend == "vllm" else None
     hasher, tokenizer = engine.block_hasher(), checkpoint_for(engine.model).tokenizer()
     payload: dict[str, Any] = {
         "title": f"Routing policies on the real cluster: {args.workload}, {args.replicas} replicas",
@@ -75,7 +78,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ray = PrivateRay(out / "ray.log", dashboard=False)
         out.mkdir(parents=True, exist_ok=True)
         stack.callback(ray.stop)
-        ray.start(cluster_env())
+        ray.start(cluster_env(), python)
         for rate, trace in traces(args).items():
             section = section_name(rate)
             save_trace(out / f"trace-{slug(section)}.jsonl", trace)
@@ -91,7 +94,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 p: combine(r) | {"oracle_hit_rate": oracle} for p, r in runs.items()
             }
     payload["conditions"] = (
-        f"{args.replicas} engine replicas x {args.num_blocks} blocks of {engine.block_size} "
+        f"{args.replicas} {engine.backend} engine replicas x {args.num_blocks} blocks of "
+        f"{engine.block_size} "
         f"tokens; {args.ingress_replicas} ingress replica(s); {args.requests} requests; seed "
         f"{args.seed}; {args.repeats} run(s) per policy (median, min-max); measured "
         f"{time.strftime('%F')}"
@@ -110,21 +114,10 @@ def run_policy(
     ray: PrivateRay | None = None,
 ) -> dict[str, Any]:
     namespace = f"exp-{os.getpid()}-{time.monotonic_ns()}"
-    knobs = json.loads(args.knobs) if args.knobs else {}
-    name, mirror = split_mirror(policy)
-    name, store = split_store(name)
-    name, pull = split_pull(name, args.pull)
-    cluster_args = ClusterArgs(
-        num_replicas=int(args.replicas),
-        ingress_replicas=args.ingress_replicas,
-        engine=engine,
-        max_queued_requests=-1,  # an experiment measures queueing; it does not shed
-        routing=our_routing(name, args.epsilon, knobs),
-        index=_index_config(args, redis_url, namespace, mirror),
-        pull=pull or PullConfig(),
-        store=store,
-    )
-    cluster = ServeCluster(cluster_args, ray=ray)
+    cluster_args, pull, store = _cluster_args(args, policy, redis_url, engine, namespace)
+    name = policy.partition("+")[0]
+    python = args.vllm_python.absolute() if engine.backend == "vllm" else None
+    cluster = ServeCluster(cluster_args, ray=ray, python=python)
     try:
         cluster.start()
     except Exception as exc:  # a peer that cannot run is reported, not dropped
@@ -156,6 +149,31 @@ def run_policy(
         return metrics
     finally:
         cluster.stop(keep_logs="error" in metrics)
+
+
+def _cluster_args(
+    args: argparse.Namespace, policy: str, redis_url: str, engine: EngineConfig, namespace: str
+) -> tuple[ClusterArgs, PullConfig | None, StoreConfig]:
+    """The run's cluster: ``policy`` with its ``+mirror`` / ``+nostore`` / ``+pull``."""
+    knobs = json.loads(args.knobs) if args.knobs else {}
+    name, mirror = split_mirror(policy)
+    name, store = split_store(name)
+    name, pull = split_pull(name, args.pull)
+    if engine.backend == "vllm":  # vLLM's blocks stay in vLLM
+        if pull is not None:
+            raise ValueError(f"{policy}: pulls move the native engine's blocks only")
+        store = StoreConfig(enabled=False)
+    cluster_args = ClusterArgs(
+        num_replicas=int(args.replicas),
+        ingress_replicas=args.ingress_replicas,
+        engine=engine,
+        max_queued_requests=-1,  # an experiment measures queueing; it does not shed
+        routing=our_routing(name, args.epsilon, knobs),
+        index=_index_config(args, redis_url, namespace, mirror),
+        pull=pull or PullConfig(),
+        store=store,
+    )
+    return cluster_args, pull, store
 
 
 PULL_KEYS = (

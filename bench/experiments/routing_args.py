@@ -9,8 +9,16 @@ from pathlib import Path
 from typing import Any
 
 from bench.peers.ray_router import CLASS_PATH as TIMED_RAY_DEFAULT
-from bench.workloads import WORKLOADS, TraceRequest, WorkloadSpec, load_trace, make_trace
-from replica.checkpoints import TINY_MODEL
+from bench.workloads import (
+    WORKLOADS,
+    TraceRequest,
+    WorkloadSpec,
+    fast_engine,
+    load_trace,
+    make_trace,
+)
+from replica.checkpoints import SMOLLM2, TINY_MODEL
+from replica.config import EngineConfig
 from replica.pull_config import PullConfig
 from replica.store.config import StoreConfig
 from router.config import RayRouting, ServedPolicy, routing_config
@@ -100,6 +108,30 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epsilon", type=float, default=0.25, help="bounded load factor")
     parser.add_argument(
         "--num-blocks", type=int, default=256, help="KV blocks per replica (small: contended)"
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("native", "vllm"),
+        default="native",
+        help="vllm: vLLM CPU engines from --hf-model, the cluster run from --vllm-python",
+    )
+    parser.add_argument("--vllm-python", type=Path, default=Path(".venv-vllm/bin/python"))
+    parser.add_argument("--hf-model", type=Path, default=Path(".models/smollm2-135m-instruct-hf"))
+    parser.add_argument("--block-size", type=int, default=None, help="default: 16, vllm 32")
+
+
+def experiment_engine(args: argparse.Namespace) -> EngineConfig:
+    """The engine of every run: ``fast_engine`` of ``--model``, or with ``--backend vllm``
+    vLLM's engine of ``--hf-model`` with the same sizes (blocks of 32: vLLM's CPU minimum)."""
+    if args.backend == "native":
+        fields = {} if args.block_size is None else {"block_size": args.block_size}
+        return fast_engine(args.model, num_blocks=args.num_blocks, **fields)
+    return fast_engine(
+        str(args.hf_model.resolve()),
+        backend="vllm",
+        model_id=SMOLLM2,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size or 32,
     )
 
 

@@ -44,6 +44,17 @@ class TimedPowerOfTwoRouter(link.ServeLinked, PowerOfTwoChoicesRequestRouter):
     def reason(self, request_id: str) -> str | None:
         return self.stats.reason(request_id)
 
+    def others_in_flight(self) -> int | None:
+        return None  # it shares nothing with other routers
+
+    def engine_replicas(self) -> int | None:
+        """The engine replicas Serve runs and routes to now (the admission cap counts
+        their slots; None before Serve told)."""
+        return len(self.curr_replicas) or None
+
+    def close(self) -> None:
+        pass  # it holds nothing of the index
+
     def snapshot(self) -> dict[str, Any]:
         replicas = {
             r.replica_id.unique_id: r.routing_stats or {} for r in self.curr_replicas.values()

@@ -50,6 +50,21 @@ os.environ.pop("RAY_ADDRESS", None)  # never join a cluster named by the environ
 from ray.llm._internal.common.callbacks.base import CallbackBase
 
 PREFIX_ROUTER = "ray.serve.llm.request_router.PrefixCacheAffinityRouter"
+KV_ROUTER = "ray.llm._internal.serve.routing_policies.kv_aware.kv_aware_router:KVAwareRouter"
+OUR_ROUTER = "cluster.ray_llm:RayLLMPrefixRouter"  # this project's, as a drop-in
+
+
+def router_config(args: argparse.Namespace) -> dict[str, Any]:
+    """``--router``: Ray's prefix router, its KV-event router (Dynamo's selection service),
+    Serve's default (power of two choices), or ours with the index at ``--index-url``."""
+    if args.router == "prefix":
+        return {"request_router_class": PREFIX_ROUTER}
+    if args.router == "kv":
+        return {"request_router_class": KV_ROUTER}
+    if args.router == "ours":
+        index = {"url": args.index_url, "cluster": "ray-llm"}
+        return {"request_router_class": OUR_ROUTER, "request_router_kwargs": {"index": index}}
+    return {}
 
 
 class BindReplicaToCore(CallbackBase):
@@ -83,7 +98,7 @@ def build_app(args: argparse.Namespace) -> Any:
             "num_replicas": args.replicas,
             "ray_actor_options": {"num_cpus": 0},
             "max_ongoing_requests": args.max_ongoing_requests,
-            "request_router_config": {"request_router_class": PREFIX_ROUTER},
+            "request_router_config": router_config(args),
         },
         runtime_env={"env_vars": _engine_env(args)},
         callback_config={
@@ -97,6 +112,10 @@ def build_app(args: argparse.Namespace) -> Any:
         "ray_actor_options": {"num_cpus": 0},
         "autoscaling_config": {"min_replicas": 1, "max_replicas": 1},
     }
+    if os.environ.get("RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING") == "1":
+        # HAProxy in front, the LLM servers as the ingress, Ray's LLMRouter choosing (the
+        # only path on which Ray's ingress hands the router a prompt's token ids)
+        return build_openai_app({"llm_configs": [config]})
     return build_openai_app({"llm_configs": [config], "ingress_deployment_config": ingress})
 
 
@@ -163,6 +182,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--temp-dir", default="/tmp/ray-serve-llm")
     p.add_argument("--cache-dir", type=Path, required=True, help="vLLM and inductor caches")
     p.add_argument("--ready-timeout", type=float, default=900)
+    p.add_argument("--router", choices=("prefix", "kv", "ours", "pow2"), default="prefix")
+    p.add_argument("--index-url", default="redis://127.0.0.1:6379/0", help="--router ours")
     return p.parse_args()
 
 

@@ -109,9 +109,10 @@ class EventSubscriber:
         return self._thread.is_alive()
 
     def close(self) -> None:
+        """Stop the thread (it polls in short waits) and drop its sockets unsent."""
         self._stop.set()
         self._thread.join(timeout=5)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)  # never blocks, even on a socket left open
 
     def _run(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
@@ -121,7 +122,8 @@ class EventSubscriber:
         try:
             while not self._stop.is_set():
                 if not sub.poll(int(self.probe_s * 1000)):
-                    self._replay(self.last + 1, probe=True)
+                    if not self._stop.is_set():
+                        self._replay(self.last + 1, probe=True)
                     continue
                 _, seq_bytes, payload = sub.recv_multipart()
                 seq = int.from_bytes(seq_bytes, "big")
@@ -192,7 +194,7 @@ class EventSubscriber:
         sock.connect(self.replay_endpoint)
         try:
             sock.send_multipart((b"", start.to_bytes(8, "big")))
-            while sock.poll(5000):
+            while self._answered(sock):
                 _, _, seq_bytes, payload = sock.recv_multipart()
                 if seq_bytes == _END:
                     return
@@ -205,6 +207,17 @@ class EventSubscriber:
                     self._forget(f"batches {self.last + 1}-{seq - 1} left vLLM's buffer")
                 self._apply(seq, payload)
                 self.counters.replayed += 1
-            log.warning("vLLM's replay endpoint did not answer")
+            if not self._stop.is_set():
+                log.warning("vLLM's replay endpoint did not answer")
         finally:
             sock.close()
+
+    def _answered(self, sock: zmq.Socket, timeout_s: float = 5.0) -> bool:
+        """A reply is waiting (within ``timeout_s``, in short polls: a stop is not kept
+        waiting by an engine that no longer answers)."""
+        for _ in range(int(timeout_s / 0.1)):
+            if self._stop.is_set():
+                return False
+            if sock.poll(100):
+                return True
+        return False

@@ -91,7 +91,7 @@ class PrefixAwareRequestRouter(link.ServeLinked, RequestRouter):
         target = pull_target(pending_request)
         if target is not None:  # a replica pulling a prefix: that holder, or none (it waits)
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
-        request = routing_request(pending_request)
+        request = self.routing_request(pending_request)
         if request is None:  # not an EngineRequest (e.g. a health probe): any replica
             return [candidate_replicas]
         try:
@@ -106,6 +106,11 @@ class PrefixAwareRequestRouter(link.ServeLinked, RequestRouter):
                     "routing %s failed (%d so far); any replica serves it", request.request_id, n
                 )
             return [candidate_replicas]
+
+    def routing_request(self, pending_request: PendingRequest | None) -> RoutingRequest | None:
+        """What this router routes on: the ``RoutingRequest`` our ingress put on the
+        ``EngineRequest`` (another front end's router reads its own request here)."""
+        return routing_request(pending_request)
 
     async def _ranked(
         self, candidate_replicas: list[RunningReplica], request: RoutingRequest
@@ -149,7 +154,7 @@ class PrefixAwareRequestRouter(link.ServeLinked, RequestRouter):
         super().on_request_routed(pending_request, replica_id, result)
         rid = replica_id.unique_id
         self.stats.record_routed(rid)
-        request = routing_request(pending_request)
+        request = self.routing_request(pending_request)
         decision = self._decisions.pop(request.request_id, None) if request else None
         if decision is None:
             return
