@@ -38,9 +38,15 @@ def make() -> tuple[KVEventBridge, list[CacheEvents]]:
 
 
 def store(
-    vhashes: Sequence[int], parent: int | None, tokens: Sequence[int], **kw: object
+    vhashes: Sequence[int],
+    parent: int | None,
+    tokens: Sequence[int],
+    lora_name: str | None = None,
+    extra_keys: Sequence[tuple[object, ...] | None] | None = None,
+    medium: str | None = None,
 ) -> Stored:
-    return Stored(list(vhashes), parent, list(tokens), BS, **kw)  # type: ignore[arg-type]
+    """vLLM's BlockStored of blocks of size 4."""
+    return Stored(list(vhashes), parent, list(tokens), BS, lora_name, extra_keys, medium)
 
 
 def applied(events: Sequence[CacheEvents]) -> set[bytes]:
@@ -55,6 +61,7 @@ def applied(events: Sequence[CacheEvents]) -> set[bytes]:
 
 
 def apply(bridge: KVEventBridge, events: Sequence[Event]) -> None:
+    """One batch through the bridge, then its invariant."""
     bridge.apply(events)
     bridge.check()
 
@@ -118,16 +125,17 @@ def test_multimodal_blocks_and_their_descendants_are_never_published() -> None:
     apply(bridge, [store([101], None, T[:4], extra_keys=[(mm,)])])
     apply(bridge, [store([102], None, U[:4], extra_keys=[(mm, "salt")])])  # salt and image
     apply(bridge, [store([103], None, U[4:8], extra_keys=[(b"embeds-hash",)])])  # not a str
-    apply(bridge, [store([104], 101, T[4:8])])  # a plain child of an unkeyable block
+    apply(bridge, [store([104], None, U[8:], extra_keys=[("salt", b"embeds-hash")])])
+    apply(bridge, [store([105], 101, T[4:8])])  # a plain child of an unkeyable block
     assert got == [] and bridge.published == set()
-    assert bridge.counters.unkeyable == 4
+    assert bridge.counters.unkeyable == 5
     chain = HASHER.chain(T)
     apply(bridge, [store([201, 202, 203], None, T, extra_keys=[None, (mm,), None])])
     assert got == [CacheEvents((chain[0],), ())]
     apply(bridge, [store([204], 201, T[4:8], extra_keys=[("salt",)])])  # salt past block 0
     apply(bridge, [store([205], 203, U[:4])])
     assert len(got) == 1 and bridge.published == {chain[0]}
-    assert bridge.ours == {201: chain[0]} and bridge.counters.unkeyable == 8
+    assert bridge.ours == {201: chain[0]} and bridge.counters.unkeyable == 9
 
 
 # --- what the bridge refuses ---------------------------------------------------------------
@@ -269,7 +277,10 @@ def test_cleared_forgets_everything_and_applies_what_follows_it() -> None:
 # --- a model of vLLM's cache ---------------------------------------------------------------
 
 MEDIA = st.sampled_from(["GPU", "CPU"])
-BLOCK_TOKENS = st.lists(st.integers(0, 1), min_size=BS, max_size=BS)  # 16 possible blocks
+# a tiny vocabulary: three possible blocks, so the same content (and our hash) comes back often
+BLOCK = st.sampled_from([(0, 0, 0, 0), (0, 1, 0, 1), (1, 1, 1, 1)])
+TOKENS = st.lists(BLOCK, min_size=1, max_size=2).map(lambda bs: [t for b in bs for t in b])
+NONCE = st.integers(0, 1)
 
 
 @dataclass
@@ -285,120 +296,163 @@ class Block:
     keyable: bool
     media: set[str] = field(default_factory=set)
 
+    def event(self, vhash: int, medium: str) -> Stored:
+        """This block alone stored in ``medium`` (vLLM offloading a copy)."""
+        lora_name = "L" if self.lora else None
+        return store(
+            [vhash],
+            self.parent,
+            self.tokens,
+            lora_name=lora_name,
+            extra_keys=[self.extra],
+            medium=medium,
+        )
+
 
 class VLLMCacheModel(RuleBasedStateMachine):
     """vLLM's cache as vLLM hash -> block; every change goes through the bridge as a batch."""
 
     @initialize()
     def start(self) -> None:
+        """An empty vLLM cache and a fresh bridge."""
         self.emitted: list[CacheEvents] = []
+        self.checked = 0  # emitted events the invariant has looked at
         self.bridge = KVEventBridge(HASHER, self.emitted.append)
         self.blocks: dict[int, Block] = {}
         self.ids: dict[tuple[object, ...], int] = {}  # content -> vLLM hash, as vLLM's is
 
-    def vhash(self, parent: int | None, block: Block, nonce: int) -> int:
-        """The same content gets the same vLLM hash; ``nonce`` stands for what vLLM hashes
-        and our chain does not, so two vLLM hashes can map to one hash of ours."""
-        key = (parent, block.tokens, block.extra, nonce)
-        vh = self.ids.setdefault(key, 1000 + len(self.ids))
-        self.blocks.setdefault(vh, block)
-        return vh
-
     def held(self) -> list[int]:
+        """vLLM hashes of the blocks held in some medium."""
         return sorted(v for v, b in self.blocks.items() if b.media)
 
-    def store_blocks(
-        self, parent: int | None, tokens: list[int], medium: str, nonce: int, **how: object
-    ) -> list[Event]:
-        """Blocks of ``tokens`` after ``parent`` (or a root, salted and LoRA as ``how``
-        says; the last block multimodal if ``how["mm"]``), as vLLM's one Stored."""
+    def stored(
+        self,
+        parent: int | None,
+        tokens: list[int],
+        medium: str,
+        nonce: int = 0,
+        *,
+        salt: str | None = None,
+        lora: bool = False,
+        mm: bool = False,
+    ) -> Stored:
+        """Blocks of ``tokens`` after ``parent`` (a root: salted, LoRA as asked; a child
+        inherits both), the last one multimodal if ``mm``, as vLLM's one Stored. ``nonce``
+        stands for what vLLM hashes and our chain does not: two vLLM hashes, one of ours."""
         top = self.blocks[parent] if parent is not None else None
-        lora = top.lora if top else bool(how["lora"])
-        salt = top.salt if top else how["salt"]
-        keyable = top.keyable if top else not lora
-        path = top.path if top else ()
-        n = len(tokens) // BS
-        vhashes: list[int] = []
-        extras: list[tuple[object, ...] | None] = []
-        prev = parent
+        lora, salt = (top.lora, top.salt) if top else (lora, salt)
+        keyable, path = (top.keyable, top.path) if top else (not lora, ())
+        vhashes, extras, prev, n = [], [], parent, len(tokens) // BS
         for i in range(n):
-            mm = bool(how.get("mm")) and i == n - 1
             keys: list[object] = ["L"] if lora else []
-            keys += [("mm-id", 0)] if mm else []
+            keys += [("mm-id", 0)] if mm and i == n - 1 else []
             keys += [salt] if salt and prev is None else []
-            keyable = keyable and not mm
+            keyable = keyable and not (mm and i == n - 1)
             path += tuple(tokens[i * BS : (i + 1) * BS])
             extra = tuple(keys) or None
-            block = Block(prev, path[-BS:], path, salt, lora, extra, keyable)  # type: ignore[arg-type]
-            prev = self.vhash(prev, block, nonce)
-            self.blocks[prev].media.add(medium)
-            vhashes.append(prev)
+            vh = self.ids.setdefault((prev, path[-BS:], extra, nonce), 1000 + len(self.ids))
+            block = Block(prev, path[-BS:], path, salt, lora, extra, keyable)
+            self.blocks.setdefault(vh, block).media.add(medium)
+            vhashes.append(vh)
             extras.append(extra)
+            prev = vh
         lora_name = "L" if lora else None
-        return [
-            store(vhashes, parent, tokens, lora_name=lora_name, extra_keys=extras, medium=medium)
-        ]
-
-    def expected(self) -> set[bytes]:
-        return {
-            HASHER.chain(b.path, b.salt)[-1] for b in self.blocks.values() if b.media and b.keyable
-        }
+        return store(vhashes, parent, tokens, lora_name=lora_name, extra_keys=extras, medium=medium)
 
     @rule(
-        n=st.integers(1, 2),
-        data=st.data(),
-        salt=st.none() | st.sampled_from(["a", "b"]),
+        tokens=TOKENS,
+        salt=st.none() | st.just("a"),
         lora=st.booleans(),
+        mm=st.booleans(),
         medium=MEDIA,
-        nonce=st.integers(0, 1),
+        nonce=NONCE,
     )
     def store_root(
-        self, n: int, data: st.DataObject, salt: str | None, lora: bool, medium: str, nonce: int
+        self, tokens: list[int], salt: str | None, lora: bool, mm: bool, medium: str, nonce: int
     ) -> None:
-        tokens = [t for _ in range(n) for t in data.draw(BLOCK_TOKENS)]
-        self.bridge.apply(self.store_blocks(None, tokens, medium, nonce, salt=salt, lora=lora))
+        """vLLM stores a prompt's first blocks."""
+        event = self.stored(None, tokens, medium, nonce, salt=salt, lora=lora, mm=mm)
+        self.bridge.apply([event])
 
     @precondition(lambda self: self.held())
-    @rule(
-        data=st.data(), n=st.integers(1, 2), mm=st.booleans(), medium=MEDIA, nonce=st.integers(0, 1)
-    )
-    def extend(self, data: st.DataObject, n: int, mm: bool, medium: str, nonce: int) -> None:
+    @rule(data=st.data(), tokens=TOKENS, mm=st.booleans(), medium=MEDIA, nonce=NONCE)
+    def extend(
+        self, data: st.DataObject, tokens: list[int], mm: bool, medium: str, nonce: int
+    ) -> None:
+        """vLLM stores blocks that continue a held one."""
         parent = data.draw(st.sampled_from(self.held()))
-        tokens = [t for _ in range(n) for t in data.draw(BLOCK_TOKENS)]
-        self.bridge.apply(self.store_blocks(parent, tokens, medium, nonce, mm=mm))
+        self.bridge.apply([self.stored(parent, tokens, medium, nonce, mm=mm)])
+
+    def copyable(self) -> list[int]:
+        """Blocks held in one medium whose parent is held: vLLM may copy them to the other."""
+        held = set(self.held())
+        return [
+            v
+            for v in held
+            if len(self.blocks[v].media) == 1 and self.blocks[v].parent in held | {None}
+        ]
+
+    @precondition(lambda self: self.copyable())
+    @rule(data=st.data())
+    def copy(self, data: st.DataObject) -> None:
+        """vLLM copies a held block to its other medium."""
+        vh = data.draw(st.sampled_from(sorted(self.copyable())))
+        (medium,) = {"GPU", "CPU"} - self.blocks[vh].media
+        self.blocks[vh].media.add(medium)
+        self.bridge.apply([self.blocks[vh].event(vh, medium)])
 
     @precondition(lambda self: self.held())
     @rule(data=st.data())
     def remove(self, data: st.DataObject) -> None:
+        """vLLM drops a held block from one of its media."""
         vh = data.draw(st.sampled_from(self.held()))
         medium = data.draw(st.sampled_from(sorted(self.blocks[vh].media)))
         self.blocks[vh].media.discard(medium)
         self.bridge.apply([Removed([vh], medium)])
 
-    @rule(data=st.data(), medium=MEDIA)
-    def store_and_drop(self, data: st.DataObject, medium: str) -> None:
-        tokens = data.draw(BLOCK_TOKENS)
-        was = {v: set(b.media) for v, b in self.blocks.items()}
-        events = self.store_blocks(None, tokens, medium, 0, salt=None, lora=False)
-        (vh,) = events[0].block_hashes  # type: ignore[union-attr]
-        if medium not in was.get(vh, set()):  # vLLM drops only what it stored
-            self.blocks[vh].media.discard(medium)
-            events.append(Removed([vh], medium))
-        self.bridge.apply(events)
+    @precondition(lambda self: self.held())
+    @rule(data=st.data())
+    def drop_and_restore(self, data: st.DataObject) -> None:
+        """One batch evicts a block and stores it again (its parent is still held)."""
+        held = set(self.held())
+        vh = data.draw(st.sampled_from(sorted(held)))
+        block = self.blocks[vh]
+        medium = data.draw(st.sampled_from(sorted(block.media)))
+        if block.parent in held - {vh} | {None}:
+            self.bridge.apply([Removed([vh], medium), block.event(vh, medium)])
 
-    @rule()
-    def clear(self) -> None:
+    @rule(tokens=TOKENS, medium=MEDIA, nonce=NONCE)
+    def store_and_drop(self, tokens: list[int], medium: str, nonce: int) -> None:
+        """One batch stores a prompt and drops again what it newly stored."""
+        was = {v for v, b in self.blocks.items() if medium in b.media}
+        event = self.stored(None, tokens, medium, nonce)
+        new = [v for v in event.block_hashes if v not in was][::-1]
+        for v in new:
+            self.blocks[v].media.discard(medium)
+        self.bridge.apply([event, Removed(new, medium)])
+
+    @rule(before=st.none() | TOKENS, after=st.none() | TOKENS, medium=MEDIA)
+    def clear(self, before: list[int] | None, after: list[int] | None, medium: str) -> None:
+        """A batch with a Cleared, maybe a store before it and one after it."""
+        events: list[Event] = [self.stored(None, before, medium)] if before else []
         for b in self.blocks.values():
             b.media.clear()
-        self.bridge.apply([Cleared()])
+        events.append(Cleared())
+        events += [self.stored(None, after, medium)] if after else []
+        self.bridge.apply(events)
 
     @invariant()
     def bridge_matches_the_model(self) -> None:
+        """Published (in the bridge and as its events add up) = our hashes of what vLLM holds."""
         self.bridge.check()
-        expected = self.expected()
+        keyed = [v for v in self.held() if self.blocks[v].keyable]
+        expected = {HASHER.chain(self.blocks[v].path, self.blocks[v].salt)[-1] for v in keyed}
         assert self.bridge.published == expected
         assert applied(self.emitted) == expected
-        assert set(self.bridge.ours) == {v for v in self.held() if self.blocks[v].keyable}
+        assert set(self.bridge.ours) == set(keyed)
+        for e in self.emitted[self.checked :]:  # order within an event must not matter
+            assert not set(e.stored) & set(e.removed), e
+        self.checked = len(self.emitted)
 
 
 VLLMCacheModel.TestCase.settings = settings(max_examples=200, deadline=None, stateful_step_count=30)
