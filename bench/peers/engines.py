@@ -63,8 +63,25 @@ def ensure_vllm_venv(venv: Path = DEFAULT_VLLM_VENV, stack: bool = False) -> Pat
         probe = subprocess.run([str(python), "-c", "import ray.serve.llm"], capture_output=True)
         if probe.returncode != 0:
             subprocess.run([*pip, *STACK_PACKAGES], check=True)
+        install_ray_llm_shim(python)
     ensure_tcmalloc()
     return python
+
+
+def install_ray_llm_shim(python: Path) -> Path:
+    """``ray260_vllm_shim`` in ``python``'s site-packages, loaded at start-up by a ``.pth``
+    line (Ray 2.60's KV-aware ingress then imports under vLLM 0.32). Idempotent."""
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    module = Path(site) / "prefix_serve_ray260_vllm_shim.py"
+    module.write_text((Path(__file__).parent / "ray260_vllm_shim.py").read_text())
+    line = "import prefix_serve_ray260_vllm_shim; prefix_serve_ray260_vllm_shim.install()\n"
+    (Path(site) / "prefix_serve_ray260_vllm_shim.pth").write_text(line)
+    return module
 
 
 def run_vllm(python: Path, spec: dict[str, Any], timeout_s: float = 3600) -> dict[str, Any]:
