@@ -74,7 +74,15 @@ lint: install
 BENCH_ROUTING := $(PY) -m bench routing --num-blocks 640
 SIM_POLICIES := round_robin,prefill_cost,ray_prefix_sim,sglang_cache_aware,dynamo_kv
 SIM_PULL := round_robin,round_robin+pull,prefill_cost,prefill_cost+pull,ray_prefix_sim,sglang_cache_aware,dynamo_kv
-bench: install
+BENCH_ROUTING_VLLM := $(PY) -m bench routing --backend vllm --num-blocks 320 --repeats 2 \
+    --policies prefill_cost,ray_prefix,ray_default
+bench: install install-vllm
+	$(BENCH_ROUTING_VLLM) --workload multi_tenant --tenants 24 --zipf 0.6 --requests 120 \
+	    --rates 4 --out results/routing-vllm-multi_tenant
+	$(BENCH_ROUTING_VLLM) --workload multi_tenant --tenants 8 --zipf 2.0 --requests 160 \
+	    --rates 5 --out results/routing-vllm-hot_tenant
+	$(BENCH_ROUTING_VLLM) --workload multi_turn --conversations 12 --requests 120 \
+	    --rates 1.5 --out results/routing-vllm-multi_turn
 	$(PY) -m bench engine --trace chat --out results/engine-chat.json
 	$(PY) -m bench engine --model smollm2-135m-instruct --dtype bfloat16 \
 	    --trace assistant --rate 2 --requests 48 --vllm --out results/engine-assistant.json

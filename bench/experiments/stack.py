@@ -47,7 +47,13 @@ LATENCIES = ("ttft", "itl", "e2el")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--stacks", default="ours,ray-llm", help="ours, ray-llm, rev:<git rev>")
+    parser.add_argument(
+        "--stacks",
+        default="ours,ray-llm",
+        help="ours, ray-llm (Ray's prefix router), ray-llm:<prefix|kv|ours|pow2> (Ray Serve "
+        "LLM with that router: kv is Ray's KVAwareRouter, ours cluster.ray_llm's), "
+        "rev:<git rev>",
+    )
     parser.add_argument("--repeats", type=int, default=2, help="rounds per stack (ABBA)")
     parser.add_argument("--prompts", type=int, default=120)
     parser.add_argument("--prefixes", type=int, default=6)
@@ -158,12 +164,13 @@ def _bench_serve(
 
 
 def _start(name: str, args: argparse.Namespace, python: Path, hf: Path, cold: bool) -> Any:
-    if name == "ray-llm":
+    if name == "ray-llm" or name.startswith("ray-llm:"):  # ray-llm:<router>
         preload = [lib for lib in args.vllm_preload.split(",") if lib]
-        return ray_llm(python, hf, args.work_dir, cold, preload)
+        router = name.partition(":")[2] or "prefix"
+        return ray_llm(python, hf, args.work_dir, cold, preload, router)
     if name == "ours" or name.startswith("rev:"):
         return ours(name, cold)
-    raise SystemExit(f"unknown stack {name!r}: ours, ray-llm or rev:<git rev>")
+    raise SystemExit(f"unknown stack {name!r}: ours, ray-llm[:router] or rev:<git rev>")
 
 
 def _summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:

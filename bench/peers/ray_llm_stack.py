@@ -12,6 +12,7 @@ unlink them among them), and the sweep removes them once its processes are gone.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -24,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from bench.harness.memory import shm_sweep
-from bench.harness.redis_server import free_port
+from bench.harness.redis_server import LocalRedis, free_port
 from bench.harness.stacks import Counters, Running, prometheus_total
 from bench.peers.host import PRELOADS, physical_cores, vllm_preload
 from replica.checkpoints import SMOLLM2
@@ -36,11 +37,19 @@ REPLICAS = 2  # of one CPU each (ray_serve_llm.py's default)
 
 @contextmanager
 def ray_llm(
-    python: Path, hf: Path, work_dir: Path, cold: bool, preload: Iterable[str] = PRELOADS
+    python: Path,
+    hf: Path,
+    work_dir: Path,
+    cold: bool,
+    preload: Iterable[str] = PRELOADS,
+    router: str = "prefix",
 ) -> Iterator[Running]:
     """Ray Serve LLM in vLLM's virtualenv, in the dtype ``make serve``'s cluster serves on
     this CPU (``dtype: auto``); cold: an empty vLLM/inductor compile cache. What stopping
-    it left in ``/dev/shm`` is removed, and counted in ``Running.stopped``."""
+    it left in ``/dev/shm`` is removed, and counted in ``Running.stopped``. ``router``:
+    ``ray_serve_llm.py --router`` (``kv`` and ``ours`` run Ray's direct streaming, the
+    path on which its ingress hands the router token ids; ``ours`` gets a redis-server of
+    its own for the index)."""
     cache = work_dir / "ray-llm-cache"
     if cold:
         shutil.rmtree(cache, ignore_errors=True)
@@ -51,8 +60,13 @@ def ray_llm(
         "ld_preload": libs,
         "omp_threads_bind_per_replica": [str(c) for c in cores],
         "dtype": dtype,
+        "router": router,
     }
-    with shm_sweep() as sweep, _serve(python, hf, work_dir, cache, cores, libs, dtype) as running:
+    with (
+        shm_sweep() as sweep,
+        LocalRedis() as redis,
+        _serve(python, hf, work_dir, cache, cores, libs, dtype, router, redis.url) as running,
+    ):
         running.notes["peer_given"] = given
         yield running  # the sweep is left last: after the script and its Ray have exited
     running.stopped |= sweep.summary()
@@ -67,6 +81,8 @@ def _serve(
     cores: list[int],
     libs: str,
     dtype: str,
+    router: str,
+    index_url: str,
 ) -> Iterator[Running]:
     """Start the script, yield the stack, stop it (SIGTERM: Serve and its Ray shut down)."""
     port, metrics = free_port(), free_port()
@@ -83,10 +99,15 @@ def _serve(
         f"--cores={','.join(str(c) for c in cores)}",
         f"--preload={libs}",
         f"--dtype={dtype}",
+        f"--router={router}",
+        f"--index-url={index_url}",
     ]
+    env = dict(os.environ)
+    if router in ("kv", "ours"):  # Ray's ingress tokenizes only on this path
+        env |= {"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
     start = time.monotonic()
     with open(work_dir / "ray-llm-serve.log", "a") as f:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=f, text=True)
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=f, text=True, env=env)
     try:
         _wait_for_ready(proc)
         startup = time.monotonic() - start
