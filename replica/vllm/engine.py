@@ -133,7 +133,7 @@ class VLLMCounters:
         its free blocks) is None."""
         hit = self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
         return {
-            **{k: v for k, v in asdict(self).items()},
+            **asdict(self),
             "num_running": running,
             "num_waiting": None,
             "hit_rate": hit,
