@@ -148,3 +148,24 @@ def test_speed_without_peers_reports_how_close_ours_came_to_the_machine(tmp_path
     assert machine["prefill_of_peak"] > 0 and machine["decode_b1_of_bandwidth"] > 0
     assert machine["bandwidth_gb_s"] > 0 and machine["peak_gflops"] > 0
     assert "machine" in json.loads((tmp_path / "speed.json").read_text())
+
+
+def test_speed_times_decode_inside_one_run_and_refuses_a_run_with_none() -> None:
+    from conftest import tiny
+
+    from bench.experiments.speed import Timing
+    from bench.peers.engine_worker import timed_generate
+    from replica.model.runner import build_engine
+    from replica.sampling.params import SamplingParams
+
+    engine = build_engine(tiny(max_num_batched_tokens=16, max_num_seqs=4))  # chunked prefill
+    prompts = [[1 + i + j for j in range(20)] for i in range(3)]
+    timing = Timing.of(timed_generate(engine, prompts, SamplingParams(max_tokens=6)))
+    assert 0 < timing.first_s < timing.total_s
+    # every prompt had a token at the first moment; some may already have had more
+    assert 3 <= timing.tokens_at_first < 18
+    rate = timing.decode_rate(18)
+    assert rate == pytest.approx((18 - timing.tokens_at_first) / (timing.total_s - timing.first_s))
+    assert not engine.has_unfinished_requests() and engine.block_manager.usage().in_use == 0
+    with pytest.raises(ValueError, match="no decode was timed"):
+        Timing(total_s=1.0, first_s=1.0, tokens_at_first=3).decode_rate(3)

@@ -3,9 +3,10 @@
 Same checkpoint, same token ids, same dtype and torch threads, one run. Prefill: one
 ``--prefill-tokens`` prompt, one token out (tokens/s = prompt tokens / seconds). Decode at
 batch B: B chat prompts (the support system prompt and B distinct questions) submitted
-together; decode tokens/s = B x (N - 1) / (T_N - T_1), where T_k is the time to generate k
-tokens each, so the prefill cancels out; output tokens/s = B x N / T_N. Every engine's
-prefix cache is emptied before every timed run.
+together, N tokens each, timed inside that one run: decode tokens/s = the output tokens made
+after every prompt had its first token, over the seconds after that moment (so the prefill
+is left out, and no difference of two runs' times can make it negative); output tokens/s =
+B x N / T_N. Every engine's prefix cache is emptied before every timed run.
 
 Every engine stays loaded for the whole run (vLLM in its own process, answering one job at a
 time), and each timed job runs on every engine in turn, the order reversed on every repeat
@@ -25,8 +26,8 @@ loaded (``peer_processes``), the commit measured and the host's CPU (``provenanc
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,6 +38,7 @@ from bench.assistant_prompts import (
     SUPPORT_QUESTIONS,
     SUPPORT_SYSTEM_PROMPT,
 )
+from bench.peers.engine_worker import timed_generate
 from bench.peers.engines import (
     DEFAULT_VLLM_VENV,
     TransformersPeer,
@@ -59,10 +61,32 @@ from replica.sampling.params import SamplingParams
 PEERS = ("ours", "ours-nondet", "transformers", "vllm")
 
 
+@dataclass(frozen=True)
+class Timing:
+    """One timed run of prompts submitted together: ``total_s`` until all had finished,
+    ``first_s`` until every prompt had its first token, and ``tokens_at_first``, the output
+    tokens that existed then (the rest were decoded after it)."""
+
+    total_s: float
+    first_s: float
+    tokens_at_first: int
+
+    @classmethod
+    def of(cls, reply: dict[str, Any]) -> Timing:
+        """A worker's reply (``engine_worker.timed_generate``, ``vllm_worker``)."""
+        return cls(reply["seconds"][-1], reply["first_s"], reply["tokens_at_first"])
+
+    def decode_rate(self, generated: int) -> float:
+        """Tokens/s after the first moment, of ``generated`` output tokens in all."""
+        if not 0 < self.first_s < self.total_s or generated <= self.tokens_at_first:
+            raise ValueError(f"no decode was timed in {self} of {generated} tokens")
+        return (generated - self.tokens_at_first) / (self.total_s - self.first_s)
+
+
 class Peer(Protocol):
-    def time(self, prompts: list[list[int]], max_tokens: int) -> float:
-        """Seconds to generate ``max_tokens`` for every prompt, submitted together, with an
-        empty prefix cache."""
+    def time(self, prompts: list[list[int]], max_tokens: int) -> Timing:
+        """Generate ``max_tokens`` for every prompt, submitted together, with an empty prefix
+        cache, timed."""
         ...
 
     def close(self) -> None: ...
@@ -156,16 +180,14 @@ def _jobs(
 ) -> list[tuple[str, list[list[int]], int]]:
     """(name, prompts, max_tokens) of every timed run, the same for every engine."""
     jobs = [("prefill", [prompts["prefill"]], 1)]
-    for b in batches:
-        jobs += [(f"b{b}_t1", prompts["chats"][:b], 1), (f"b{b}_t{n}", prompts["chats"][:b], n)]
-    return jobs
+    return jobs + [(f"b{b}", prompts["chats"][:b], n) for b in batches]
 
 
 def _alternate(
     peers: dict[str, Peer], jobs: list[tuple[str, list[list[int]], int]], repeats: int
-) -> dict[str, dict[str, list[float]]]:
-    """Seconds of every job on every engine, repeat by repeat, in ABBA order."""
-    times: dict[str, dict[str, list[float]]] = {name: {} for name in peers}
+) -> dict[str, dict[str, list[Timing]]]:
+    """Timings of every job on every engine, repeat by repeat, in ABBA order."""
+    times: dict[str, dict[str, list[Timing]]] = {name: {} for name in peers}
     order = list(peers)
     for job, batch, n in jobs:
         for rep in range(repeats):
@@ -175,14 +197,15 @@ def _alternate(
 
 
 def _rates(
-    times: dict[str, list[float]], prompts: dict[str, Any], batches: list[int], n: int
+    times: dict[str, list[Timing]], prompts: dict[str, Any], batches: list[int], n: int
 ) -> dict[str, list[float]]:
     """Each cell's rate per repeat."""
-    rates = {"prefill_tokens_per_s": [len(prompts["prefill"]) / t for t in times["prefill"]]}
+    prefill = len(prompts["prefill"])
+    rates = {"prefill_tokens_per_s": [prefill / t.total_s for t in times["prefill"]]}
     for b in batches:
-        pairs = list(zip(times[f"b{b}_t1"], times[f"b{b}_t{n}"], strict=True))
-        rates[f"decode_tokens_per_s_b{b}"] = [b * (n - 1) / (tn - t1) for t1, tn in pairs]
-        rates[f"output_tokens_per_s_b{b}"] = [b * n / tn for _, tn in pairs]
+        runs = times[f"b{b}"]
+        rates[f"decode_tokens_per_s_b{b}"] = [t.decode_rate(b * n) for t in runs]
+        rates[f"output_tokens_per_s_b{b}"] = [b * n / t.total_s for t in runs]
     return rates
 
 
@@ -193,11 +216,10 @@ class EnginePeer:
         self.engine = build_engine(config)
         self.engine.generate([warm], SamplingParams(max_tokens=4))
 
-    def time(self, prompts: list[list[int]], max_tokens: int) -> float:
+    def time(self, prompts: list[list[int]], max_tokens: int) -> Timing:
         self.engine.reset_prefix_cache()
-        start = time.perf_counter()
-        self.engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-        return time.perf_counter() - start
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return Timing.of(timed_generate(self.engine, prompts, params))
 
     def close(self) -> None:
         pass
@@ -208,8 +230,9 @@ class HFPeer:
         self.peer = peer
         peer.generate([warm], 4)
 
-    def time(self, prompts: list[list[int]], max_tokens: int) -> float:
-        return self.peer.generate(prompts, max_tokens)
+    def time(self, prompts: list[list[int]], max_tokens: int) -> Timing:
+        total_s, first_s = self.peer.generate(prompts, max_tokens)
+        return Timing(total_s, first_s, len(prompts))  # a static batch: all first together
 
     def close(self) -> None:
         pass
@@ -237,9 +260,9 @@ class VllmPeer:
         self.process: dict[str, Any] = {"given": given, **self.session.started["process"]}
         self.time([warm], 4)
 
-    def time(self, prompts: list[list[int]], max_tokens: int) -> float:
+    def time(self, prompts: list[list[int]], max_tokens: int) -> Timing:
         job = {"kind": "generate", "prompts": prompts, "max_tokens": max_tokens, "repeats": 1}
-        return self.session.run(job)["seconds"][0]
+        return Timing.of(self.session.run(job))
 
     def close(self) -> None:
         self.session.close()

@@ -3,15 +3,46 @@ to measure against today's), answering timing jobs one JSON line at a time.
 
 Imports nothing of ``bench``: it runs as a script, so the tree it measures is the one on the
 path. The spec names the model, dtype, threads and sizes; each ``generate`` job empties the
-prefix cache, then times one ``Engine.generate`` (greedy, EOS ignored).
+prefix cache, then times one batch through ``add_request``/``step`` (``timed_generate``:
+greedy, EOS ignored), an API every revision since the first engine has.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
 from typing import Any
+
+_ids = itertools.count()
+
+
+def timed_generate(engine: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
+    """Run ``prompts`` together to completion and time two moments of that one run:
+    ``first_s``, when every prompt had its first token (its prefill done), and ``total_s``,
+    when all had finished. ``tokens_at_first`` counts the output tokens that existed at the
+    first moment, so the rest were decoded after it: decode's rate is measured inside one
+    run, never as a difference of two runs' times (which noise can make negative).
+
+    ``engine`` is any revision's engine: ``add_request(id, prompt, params)`` and ``step()``
+    returning outputs with ``request_id``, ``new_token_ids`` and ``finished``."""
+    ids = [f"timed-{next(_ids)}" for _ in prompts]
+    counts = dict.fromkeys(ids, 0)
+    start = time.perf_counter()
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, prompt, params)
+    unfinished = set(ids)
+    first_s, tokens_at_first = 0.0, 0
+    while unfinished:
+        for out in engine.step():
+            counts[out.request_id] += len(out.new_token_ids)
+            if out.finished:
+                unfinished.discard(out.request_id)
+        if not tokens_at_first and all(counts.values()):
+            first_s, tokens_at_first = time.perf_counter() - start, sum(counts.values())
+    total_s = time.perf_counter() - start
+    return {"seconds": [total_s], "first_s": first_s, "tokens_at_first": tokens_at_first}
 
 
 def _engine_api() -> tuple[Any, Any, Any]:
@@ -51,9 +82,7 @@ def main(path: str) -> None:
         job = json.loads(line)
         engine.reset_prefix_cache()
         params = SamplingParams(max_tokens=job["max_tokens"], ignore_eos=True)
-        start = time.perf_counter()
-        engine.generate(job["prompts"], params)
-        sys.stdout.write(json.dumps({"seconds": [time.perf_counter() - start]}) + "\n")
+        sys.stdout.write(json.dumps(timed_generate(engine, job["prompts"], params)) + "\n")
         sys.stdout.flush()
 
 

@@ -233,11 +233,23 @@ class TransformersPeer:
         self.pad = pad
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> float:
-        """Seconds to generate ``max_tokens`` for every prompt, batched (left padding)."""
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
+        """Seconds to generate ``max_tokens`` for every prompt, batched (left padding), and
+        seconds until the batch's first token."""
+        from transformers.generation.streamers import BaseStreamer
+
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        puts: list[float] = []
+
+        class Clock(BaseStreamer):  # generate puts the prompt, then each step's tokens
+            def put(self, value: torch.Tensor) -> None:
+                puts.append(time.perf_counter())
+
+            def end(self) -> None:
+                pass
+
         start = time.perf_counter()
         self.model.generate(
             input_ids=ids,
@@ -245,5 +257,6 @@ class TransformersPeer:
             max_new_tokens=max_tokens,
             min_new_tokens=max_tokens,
             do_sample=False,
+            streamer=Clock(),
         )
-        return time.perf_counter() - start
+        return time.perf_counter() - start, puts[1] - start

@@ -11,7 +11,8 @@ a benchmark can alternate vLLM with other engines while this process keeps its m
 Jobs (``kind``):
 
 * ``generate``: prompts submitted together, ``max_tokens`` each (greedy, EOS ignored); the
-  prefix cache is reset before every repeat, so each run computes its prompts in full.
+  prefix cache is reset before every repeat, so each run computes its prompts in full. The
+  moment every prompt had its first token is timed inside the run (``first_s``).
 * ``choices``: one prompt with ``n`` samples per request for each ``n`` listed, repeated
   in ABBA order with the prefix cache reset before each; the time until every choice has
   its first token, and the prompt tokens each choice found cached.
@@ -22,6 +23,7 @@ Jobs (``kind``):
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -31,24 +33,40 @@ from pathlib import Path
 from typing import Any
 
 PRELOADED = ("tcmalloc", "iomp5", "libgomp")
+_ids = itertools.count()  # request ids, unique for the process's life
 
 
 def _generate(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """The prompts together, timed in one run through the engine's ``add_request``/``step``
+    loop (what ``LLM.generate`` runs): ``seconds`` in all, ``first_s`` when every prompt had
+    its first token and ``tokens_at_first`` the output tokens there were then, of the last
+    repeat (the same moments ``engine_worker.timed_generate`` takes of ours)."""
     from vllm import SamplingParams, TokensPrompt
 
+    engine = llm.llm_engine
     params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True)
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
-    times = []
+    times: list[float] = []
     for _ in range(job.get("repeats", 1)):
         llm.reset_prefix_cache()
+        ids = [f"generate-{next(_ids)}" for _ in job["prompts"]]
+        outputs: dict[str, list[int]] = {rid: [] for rid in ids}
         start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        for rid, prompt in zip(ids, job["prompts"], strict=True):
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
+        first_s, tokens_at_first = 0.0, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+            if not tokens_at_first and all(outputs.values()):
+                first_s = time.perf_counter() - start
+                tokens_at_first = sum(len(t) for t in outputs.values())
         times.append(time.perf_counter() - start)
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
         "seconds": times,
-        "output_tokens": tokens,
-        "outputs": [list(o.outputs[0].token_ids) for o in outs],
+        "first_s": first_s,
+        "tokens_at_first": tokens_at_first,
+        "output_tokens": sum(len(t) for t in outputs.values()),
+        "outputs": [outputs[rid] for rid in ids],
     }
 
 
