@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +44,13 @@ def drive(
 ) -> tuple[list[RequestResult], float]:
     """Replay ``trace``; returns the results in trace order and the makespan in seconds."""
     return asyncio.run(_drive(base_url, model, trace, timeout_s, on_done))
+
+
+def warm_up(base_url: str, model: str, replicas: int, timeout_s: float) -> None:
+    """A few short, unrelated requests, so no replica's first request is a timed one."""
+    for i in range(4 * replicas):
+        body = {"model": model, "prompt": f"warm up {i} {os.urandom(4).hex()}", "max_tokens": 2}
+        httpx.post(f"{base_url}/v1/completions", json=body, timeout=timeout_s)
 
 
 def progress_printer(label: str) -> Callable[[int, int], None]:

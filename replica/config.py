@@ -27,6 +27,7 @@ VLLM_KWARGS_OURS = frozenset(
         "enable_prefix_caching",
         "dtype",
         "seed",
+        "enforce_eager",  # VLLMOptions.enforce_eager
         "kv_events_config",
     }
 )

@@ -153,7 +153,7 @@ def test_speed_without_peers_reports_how_close_ours_came_to_the_machine(tmp_path
 def test_speed_times_decode_inside_one_run_and_refuses_a_run_with_none() -> None:
     from conftest import tiny
 
-    from bench.experiments.speed import Timing
+    from bench.experiments.speed_peers import Timing
     from bench.peers.engine_worker import timed_generate
     from replica.model.runner import build_engine
     from replica.sampling.params import SamplingParams

@@ -18,8 +18,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from bench.experiments.routing_args import (
     add_workload_arguments,
     check_knobs,
@@ -31,10 +29,11 @@ from bench.experiments.routing_args import (
     split_store,
     traces,
 )
+from bench.experiments.routing_ray_llm import is_ray_llm, run_ray_llm_policy
 from bench.harness.launcher import ServeCluster, cluster_env
 from bench.harness.private_ray import PrivateRay
 from bench.harness.redis_server import LocalRedis
-from bench.loadgen import drive, progress_printer
+from bench.loadgen import drive, progress_printer, warm_up
 from bench.report import combine, slug, summarize, write_report
 from bench.workloads import TraceRequest, oracle_hit_rate, save_trace
 from cluster.config import ClusterArgs
@@ -88,7 +87,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for rep in range(args.repeats):  # ABBA: drift over the session hits all alike
                 for policy in policies if rep % 2 == 0 else policies[::-1]:
                     label = f"{section} {policy} ({rep + 1}/{args.repeats})"
-                    result = run_policy(args, policy, trace, url, engine, label, ray)
+                    if is_ray_llm(policy):  # Ray Serve LLM's own app, its own Ray
+                        peer_dir = out / "ray-llm" / slug(policy)
+                        result = run_ray_llm_policy(args, policy, trace, engine, label, peer_dir)
+                    else:
+                        result = run_policy(args, policy, trace, url, engine, label, ray)
                     runs[policy].append(result)
             payload["runs"][section] = {
                 p: combine(r) | {"oracle_hit_rate": oracle} for p, r in runs.items()
@@ -125,7 +128,7 @@ def run_policy(
     metrics: dict[str, Any] = {"error": "the run did not finish"}
     try:
         replicas = int(args.replicas)
-        _warm_up(cluster.base_url, engine.model_id, replicas)
+        warm_up(cluster.base_url, engine.model_id, replicas, timeout_s=60)
         index = IndexReader(cluster_args.index, engine.model_id)
         before = _fresh_stats(index, replicas)
         results, makespan = drive(
@@ -210,13 +213,6 @@ def _index_config(
     if mirror is not None:
         overrides["mirror"] = mirror
     return IndexConfig(url=url, cluster=namespace, **overrides)
-
-
-def _warm_up(base_url: str, model: str, replicas: int) -> None:
-    """A few short, unrelated requests, so no replica's first request is the timed one."""
-    for i in range(4 * replicas):
-        body = {"model": model, "prompt": f"warm up {i} {os.urandom(4).hex()}", "max_tokens": 2}
-        httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
 
 
 def _fresh_stats(

@@ -2,10 +2,13 @@
 
 ``ours`` is ``make serve``'s cluster (``deploy/config.yaml``: 2 engine replicas of
 SmolLM2-135M-Instruct, bfloat16, prefix-aware routing over Redis) on a private Ray and a
-private redis-server; ``ray-llm`` is Ray Serve LLM with vLLM CPU engines, 2 replicas of one
-CPU each behind Ray's ``PrefixCacheAffinityRouter`` (``bench/peers/ray_serve_llm.py``, in
-vLLM's virtualenv, which this command makes); ``rev:<git rev>`` is this project's cluster
-as it was at that revision (its own ``deploy/config.yaml``, from a worktree).
+private redis-server; ``ours-vllm`` is ``make serve-vllm``'s (``deploy/vllm.yaml``: the same
+router and index over 2 vLLM CPU engines, in vLLM's virtualenv); ``ray-llm`` is Ray Serve
+LLM with vLLM CPU engines, 2 replicas of one CPU each behind Ray's
+``PrefixCacheAffinityRouter`` (``bench/peers/ray_serve_llm.py``, in vLLM's virtualenv, which
+this command makes; ``ray-llm:<router>`` names another router); ``rev:<git rev>`` is this
+project's cluster as it was at that revision (its own ``deploy/config.yaml``, from a
+worktree).
 
 Both are driven by vLLM's own load generator, ``vllm bench serve``, with shared-prefix chat
 traffic (its ``prefix_repetition`` dataset: ``--prefixes`` prompts of ``--prefix-len``
@@ -50,9 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stacks",
         default="ours,ray-llm",
-        help="ours, ray-llm (Ray's prefix router), ray-llm:<prefix|kv|ours|pow2> (Ray Serve "
-        "LLM with that router: kv is Ray's KVAwareRouter, ours cluster.ray_llm's), "
-        "rev:<git rev>",
+        help="ours, ours-vllm (make serve-vllm's cluster: our router over vLLM engines), "
+        "ray-llm (Ray's prefix router), ray-llm:<prefix|kv|ours|pow2> (Ray Serve LLM with "
+        "that router: kv is Ray's KVAwareRouter, ours cluster.ray_llm's), rev:<git rev>",
     )
     parser.add_argument("--repeats", type=int, default=2, help="rounds per stack (ABBA)")
     parser.add_argument("--prompts", type=int, default=120)
@@ -170,7 +173,9 @@ def _start(name: str, args: argparse.Namespace, python: Path, hf: Path, cold: bo
         return ray_llm(python, hf, args.work_dir, cold, preload, router)
     if name == "ours" or name.startswith("rev:"):
         return ours(name, cold)
-    raise SystemExit(f"unknown stack {name!r}: ours, ray-llm[:router] or rev:<git rev>")
+    if name == "ours-vllm":
+        return ours(name, cold, vllm=(python, hf))
+    raise SystemExit(f"unknown stack {name!r}: ours, ours-vllm, ray-llm[:router] or rev:<git rev>")
 
 
 def _summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -51,13 +51,18 @@ def prometheus_total(text: str, name: str) -> float:
 
 
 @contextmanager
-def ours(name: str, cold: bool) -> Iterator[Running]:
+def ours(name: str, cold: bool, vllm: tuple[Path, Path] | None = None) -> Iterator[Running]:
     """``make serve``'s cluster (``name`` is ``ours`` or ``rev:<git rev>``): that tree's
     ``deploy/config.yaml`` with only the ports changed (a private redis-server for the
-    index). Cold: the kernels not yet built."""
-    repo = REPO if name == "ours" else revision_tree(name.removeprefix("rev:"))
-    config = yaml.safe_load((repo / "deploy" / "config.yaml").read_text())
+    index). Cold: the kernels not yet built. ``vllm``: (vLLM's interpreter, the model's
+    Hugging Face folder): ``make serve-vllm``'s cluster instead (``deploy/vllm.yaml``, run
+    by that interpreter, the folder in place of the one ``make install-vllm`` writes)."""
+    repo = REPO if name in ("ours", "ours-vllm") else revision_tree(name.removeprefix("rev:"))
+    config_file = "vllm.yaml" if vllm else "config.yaml"
+    config = yaml.safe_load((repo / "deploy" / config_file).read_text())
     app_args = config["applications"][0]["args"]
+    if vllm:
+        app_args["engine"]["model"] = str(vllm[1])
     kernels = Path(tempfile.mkdtemp(prefix="kernels-")) if cold else None
     saved = os.environ.get("PREFIX_SERVE_KERNEL_DIR")
     with LocalRedis() as redis:
@@ -69,12 +74,14 @@ def ours(name: str, cold: bool) -> Iterator[Running]:
         )
         if kernels is not None:
             os.environ["PREFIX_SERVE_KERNEL_DIR"] = str(kernels)
-        cluster = ServeCluster(current, repo=repo, app_args=app_args)
+        python = vllm[0] if vllm else None
+        cluster = ServeCluster(current, repo=repo, app_args=app_args, python=python)
         try:
             start = time.monotonic()
             cluster.start(timeout_s=900)
             startup = time.monotonic() - start
-            yield Running(cluster.base_url, startup, "EngineReplica", _counters(cluster))
+            title = "VLLMReplica" if vllm else "EngineReplica"
+            yield Running(cluster.base_url, startup, title, _counters(cluster))
         finally:
             cluster.stop()
             _restore("PREFIX_SERVE_KERNEL_DIR", saved)

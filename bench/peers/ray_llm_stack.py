@@ -12,6 +12,7 @@ unlink them among them), and the sweep removes them once its processes are gone.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -21,6 +22,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -43,29 +45,35 @@ def ray_llm(
     cold: bool,
     preload: Iterable[str] = PRELOADS,
     router: str = "prefix",
+    engine_kwargs: dict[str, Any] | None = None,
 ) -> Iterator[Running]:
     """Ray Serve LLM in vLLM's virtualenv, in the dtype ``make serve``'s cluster serves on
     this CPU (``dtype: auto``); cold: an empty vLLM/inductor compile cache. What stopping
     it left in ``/dev/shm`` is removed, and counted in ``Running.stopped``. ``router``:
     ``ray_serve_llm.py --router`` (``kv`` and ``ours`` run Ray's direct streaming, the
     path on which its ingress hands the router token ids; ``ours`` gets a redis-server of
-    its own for the index)."""
+    its own for the index). ``engine_kwargs``: vLLM engine arguments on top (a ``dtype``
+    among them replaces the one ``auto`` picks)."""
     cache = work_dir / "ray-llm-cache"
     if cold:
         shutil.rmtree(cache, ignore_errors=True)
     cores = physical_cores()[:REPLICAS]
     libs = ":".join(vllm_preload(python, preload))
-    dtype = str(resolve_dtype("auto")).removeprefix("torch.")  # what ours serves here
+    kwargs = dict(engine_kwargs or {})
+    dtype = kwargs.pop("dtype", str(resolve_dtype("auto")).removeprefix("torch."))
     given = {
         "ld_preload": libs,
         "omp_threads_bind_per_replica": [str(c) for c in cores],
         "dtype": dtype,
         "router": router,
+        "engine_kwargs": kwargs,
     }
+    flags = [f"--preload={libs}", f"--dtype={dtype}", f"--router={router}"]
+    flags.append(f"--engine-kwargs={json.dumps(kwargs)}")
     with (
         shm_sweep() as sweep,
         LocalRedis() as redis,
-        _serve(python, hf, work_dir, cache, cores, libs, dtype, router, redis.url) as running,
+        _serve(python, hf, work_dir, cache, cores, flags, redis.url) as running,
     ):
         running.notes["peer_given"] = given
         yield running  # the sweep is left last: after the script and its Ray have exited
@@ -79,9 +87,7 @@ def _serve(
     work_dir: Path,
     cache: Path,
     cores: list[int],
-    libs: str,
-    dtype: str,
-    router: str,
+    flags: list[str],
     index_url: str,
 ) -> Iterator[Running]:
     """Start the script, yield the stack, stop it (SIGTERM: Serve and its Ray shut down)."""
@@ -97,13 +103,12 @@ def _serve(
         f"--temp-dir={tempfile.mkdtemp(prefix='ray-llm-')}",
         f"--replicas={REPLICAS}",
         f"--cores={','.join(str(c) for c in cores)}",
-        f"--preload={libs}",
-        f"--dtype={dtype}",
-        f"--router={router}",
+        *flags,
         f"--index-url={index_url}",
     ]
     env = dict(os.environ)
-    if router in ("kv", "ours"):  # Ray's ingress tokenizes only on this path
+    # Ray's ingress tokenizes only on the direct-streaming path
+    if "--router=kv" in flags or "--router=ours" in flags:
         env |= {"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
     start = time.monotonic()
     with open(work_dir / "ray-llm-serve.log", "a") as f:

@@ -93,6 +93,7 @@ def build_app(args: argparse.Namespace) -> Any:
             "max_num_seqs": args.max_num_seqs,
             "enable_prefix_caching": True,
             "seed": 0,
+            **json.loads(args.engine_kwargs),  # the engine a comparison gives every stack
         },
         deployment_config={
             "num_replicas": args.replicas,
@@ -183,6 +184,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--cache-dir", type=Path, required=True, help="vLLM and inductor caches")
     p.add_argument("--ready-timeout", type=float, default=900)
     p.add_argument("--router", choices=("prefix", "kv", "ours", "pow2"), default="prefix")
+    p.add_argument("--engine-kwargs", default="{}", help="more vLLM engine arguments, JSON")
     p.add_argument("--index-url", default="redis://127.0.0.1:6379/0", help="--router ours")
     return p.parse_args()
 

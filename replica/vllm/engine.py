@@ -31,8 +31,8 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from replica.config import EngineConfig
 from replica.messages import EngineRequest, RequestOutput
-from replica.model.cpu import resolve_dtype
 from replica.sampling.params import SamplingParams, TokenLogprob
+from replica.vllm.args import vllm_kwargs
 
 
 @dataclass(frozen=True)
@@ -56,22 +56,7 @@ def engine_args(config: EngineConfig, endpoints: EventEndpoints) -> AsyncEngineA
         replay_endpoint=endpoints.replay,
         buffer_steps=config.vllm.events_replay_buffer,
     )
-    return AsyncEngineArgs(
-        model=str(Path(str(config.model)).expanduser()),
-        served_model_name=[config.model_id],
-        block_size=config.block_size,
-        num_gpu_blocks_override=config.num_blocks,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        enable_chunked_prefill=config.enable_chunked_prefill,
-        max_model_len=config.context_len,
-        enable_prefix_caching=config.enable_prefix_cache,
-        dtype=str(resolve_dtype(config.dtype)).removeprefix("torch."),
-        seed=config.seed,
-        enforce_eager=config.vllm.enforce_eager,
-        kv_events_config=events,
-        **config.vllm.engine_kwargs,  # type: ignore[arg-type]
-    )
+    return AsyncEngineArgs(**vllm_kwargs(config), kv_events_config=events)
 
 
 def vllm_params(params: SamplingParams, eos: tuple[int, ...], delivered: int) -> VLLMSamplingParams:
