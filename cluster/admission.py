@@ -71,6 +71,18 @@ class Admission:
             return -(-cluster // self.args.ingress_replicas)  # an even share
         return cluster - others
 
+    def engine_limit(self) -> int:
+        """What this ingress may have in the engines now (the fair queue's capacity): their
+        slots, replicas x ``max_ongoing_requests``, less the other ingresses' requests (an
+        even share while they cannot be told)."""
+        slots = self.engine_replicas() * self.args.max_ongoing_requests
+        if self.args.ingress_replicas == 1:
+            return slots
+        others = self.others()
+        if others is None:
+            return -(-slots // self.args.ingress_replicas)
+        return max(0, slots - others)
+
     def enter(self, count: int = 1) -> None:
         """Take ``count`` slots (a batch of prompts takes one each), or refuse with 503."""
         limit = self.limit

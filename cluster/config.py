@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cluster.tenants import APIKeyRecord, key_records
 from kvindex.config import IndexConfig
 from replica.args import ReplicaArgs
 from replica.config import EngineConfig
@@ -37,6 +38,20 @@ class Autoscaling(BaseModel):
         if self.max_replicas < self.min_replicas:
             raise ValueError("max_replicas must be at least min_replicas")
         return self
+
+
+class FairQueueConfig(BaseModel):
+    """The ingress's fair queue (``cluster.fair_queue``): with it, the engines take at most
+    their slots (replicas x ``max_ongoing_requests``) and the rest wait at the ingress, up to
+    ``max_queued_requests``, released by priority, then by weighted fair share of their cost
+    after the cache; without it they wait in Serve's queue in arrival order."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    deadline_s: float = Field(
+        30.0, gt=0, description="the longest a request waits (x-request-timeout may shorten it)"
+    )
 
 
 class ClusterArgs(BaseModel):
@@ -90,12 +105,23 @@ class ClusterArgs(BaseModel):
         default_factory=StoreConfig,
         description="the second cache tier: evicted blocks kept in a node-shared store",
     )
-    api_keys: list[str] = Field(
-        default_factory=list, description="if any, required as 'Bearer <key>' (not /health, /ready)"
+    api_keys: list[str | APIKeyRecord] = Field(
+        default_factory=list,
+        description="if any, required as 'Bearer <key>' (not /health, /ready); a record "
+        "names the key's tenant, priority, weight and limits (cluster.tenants)",
+    )
+    fair_queue: FairQueueConfig = Field(
+        default_factory=lambda: FairQueueConfig(),
+        description="hold requests at the ingress in per-tenant queues instead of Serve's",
     )
     share_cache_across_keys: bool = Field(
         False, description="with api_keys: let different keys share cached prefixes"
     )
+
+    @model_validator(mode="after")
+    def _keys_once(self) -> ClusterArgs:
+        key_records(self.api_keys)  # a key listed twice is refused
+        return self
 
     @model_validator(mode="after")
     def _backend_parts(self) -> ClusterArgs:

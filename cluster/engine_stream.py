@@ -44,6 +44,7 @@ class EngineStream:
         self._max_resumes = max_resumes
         self._delivered: list[int] = []
         self._stream: DeploymentResponseGenerator | None = None
+        self.cached_tokens = 0  # prompt tokens the first replica served from its cache
 
     async def first(self) -> RequestOutput:
         """Send the request and wait for its first chunk, turning what can go wrong before it
@@ -62,6 +63,7 @@ class EngineStream:
                     raise
                 raise error from exc
             self._delivered += chunk.new_token_ids if chunk.index == 0 else []
+            self.cached_tokens = chunk.num_cached_tokens
             return chunk
 
     async def rest(self) -> AsyncIterator[RequestOutput]:
@@ -81,6 +83,11 @@ class EngineStream:
                     self._resume_or_fail("mid_stream", give_up=True)
                 self._resume_or_fail("mid_stream")
                 self._stream = self._send(self._continuation())
+
+    @property
+    def delivered_tokens(self) -> int:
+        """Tokens of choice 0 the client has been sent so far."""
+        return len(self._delivered)
 
     def _send(self, request: EngineRequest) -> DeploymentResponseGenerator:
         with link.call_id(f"{self.request.request_id}.{self.resumes}"):

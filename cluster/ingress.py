@@ -28,9 +28,11 @@ from cluster.api.responses import ReleasingStreamingResponse, Reply
 from cluster.api.tools import template_messages, template_tools
 from cluster.config import ClusterArgs
 from cluster.engine_stream import EngineStream
+from cluster.gate import Gate
 from cluster.metrics_share import MetricsShare
 from cluster.readiness import Readiness, readiness
 from cluster.request_builder import RequestBuilder
+from cluster.tenants import key_records
 from kvindex.reader import IndexReader
 from replica.checkpoints import checkpoint_for
 from replica.messages import EngineRequest, RequestOutput
@@ -75,6 +77,7 @@ class Ingress:
         self.model_id = self.args.engine.model_id
         self.started = int(time.time())
         self.admission = Admission(self.args, link.LINK.others_in_flight, link.LINK.engine_replicas)
+        self.gate = Gate(self.args, self.admission)
         self.requests = RequestBuilder(self.args, self.hasher)
         self.index = IndexReader(self.args.index, self.model_id)  # readiness reads it
         self.metrics_share = None  # with several ingress replicas: every one's in a scrape
@@ -82,7 +85,7 @@ class Ingress:
             self.metrics_share = MetricsShare(
                 self.args.index, self.model_id, generate_latest, _replica_name()
             ).start()
-        auth.configure(self.args.api_keys)
+        auth.configure(r.key for r in key_records(self.args.api_keys))
         body_limit.configure(self.args.max_request_bytes)
         install_openapi(
             app, self.model_id, self.args.engine.shape.vocab_size, self.args.max_tokens_limit
@@ -176,7 +179,7 @@ class Ingress:
     ) -> JSONResponse | StreamingResponse:
         try:
             requests = self.requests.build(body, request, prompts, max_tokens)
-            response = await self._respond(body, kind, requests)
+            response = await self._respond(body, kind, request, requests)
         except APIError as exc:
             api_metrics.REQUESTS.labels(kind, str(exc.status)).inc()
             raise
@@ -187,15 +190,16 @@ class Ingress:
         self,
         body: CompletionRequest | ChatCompletionRequest,
         kind: str,
+        http: Request,
         requests: list[EngineRequest],
     ) -> JSONResponse | StreamingResponse:
-        """Run a request's prompts in the engines, holding an admission slot for each until
-        its stream is over."""
-        self.admission.enter(len(requests))
-        release: Callable[[], None] | None = functools.partial(self.admission.leave, len(requests))
+        """Run a request's prompts in the engines, holding a slot for each (``cluster.gate``)
+        until its stream is over."""
+        admitted = await self.gate.enter(http, requests)
         streams = [
             EngineStream(self.engine, r, self.hasher.chain, self.args.max_resumes) for r in requests
         ]
+        release: Callable[[], None] | None = functools.partial(admitted.leave, streams)
         try:
             start = time.monotonic()
             firsts = await first_chunks(streams)
@@ -204,7 +208,7 @@ class Ingress:
             api_metrics.TTFT.observe(time.monotonic() - start)
             prompts = [r.prompt_token_ids for r in requests]
             reply = Reply(kind, self.model_id, body, self.tokenizer, prompts, firsts)
-            headers = self._headers(requests[0].request_id, firsts)
+            headers = self._headers(requests[0].request_id, firsts) | admitted.headers
             if body.stream:
                 events = reply.sse(streams, requests[0].request_id)
                 response = ReleasingStreamingResponse(

@@ -3,7 +3,6 @@ the cache salt, and the block hashes the router reads (hashed once, here)."""
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import uuid
 
@@ -13,6 +12,7 @@ from cluster.api.errors import APIError
 from cluster.api.models import ChatCompletionRequest, CompletionRequest
 from cluster.api.structured import structured_output
 from cluster.config import ClusterArgs
+from cluster.tenants import Tenants, bearer_key
 from kvindex.hashing import BlockHasher
 from kvindex.records import RoutingRequest
 from replica.messages import EngineRequest
@@ -25,6 +25,7 @@ class RequestBuilder:
     def __init__(self, args: ClusterArgs, hasher: BlockHasher) -> None:
         self.args = args
         self.hasher = hasher
+        self.tenants = Tenants(args.api_keys)
         self.model_id = args.engine.model_id
         self.vocab = args.engine.shape.vocab_size
 
@@ -103,15 +104,16 @@ class RequestBuilder:
         )
 
     def cache_salt(self, body: Body, request: Request) -> str | None:
-        """The client's salt (body, or ``x-cache-salt``); with API keys, also the key's, so
-        users of one key share cached prefixes and different keys never do (unless the
-        operator shares them across keys)."""
+        """The client's salt (body, or ``x-cache-salt``); with API keys, also the tenant's
+        (``cluster.tenants``: a plain key is a tenant of its own), so users of one tenant
+        share cached prefixes and different tenants never do (unless the operator shares
+        them across keys)."""
         salt = body.cache_salt or request.headers.get("x-cache-salt") or None
         if not self.args.api_keys or self.args.share_cache_across_keys:
             return salt
-        key = request.headers.get("authorization", "").partition(" ")[2].strip()
-        key_id = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
-        return f"key:{key_id}" + (f"/{salt}" if salt else "")
+        key = bearer_key(request.headers.get("authorization", ""))
+        tenant = self.tenants.of(key, request.headers)
+        return tenant.name + (f"/{salt}" if salt else "")
 
     def _check_lengths(self, body: Body, ids: list[int], max_tokens: int) -> None:
         limit = self.args.max_tokens_limit

@@ -31,6 +31,7 @@ from bench.harness.private_ray import PrivateRay
 from bench.harness.ready import cluster_ready
 from bench.harness.redis_server import free_port
 from cluster.config import ClusterArgs
+from cluster.tenants import key_records
 from kvindex.reader import IndexReader
 from replica.store.config import store_namespace
 from replica.store.files import remove_cluster_stores
@@ -261,8 +262,8 @@ class ServeCluster:
 
     def stats(self) -> dict[str, Any]:
         """The ingress's ``/cluster/stats`` (with the first API key, if keys are set)."""
-        keys = self.args.api_keys
-        headers = {"authorization": f"Bearer {keys[0]}"} if keys else {}
+        keys = key_records(self.args.api_keys)
+        headers = {"authorization": f"Bearer {keys[0].key}"} if keys else {}
         return httpx.get(f"{self.base_url}/cluster/stats", headers=headers, timeout=10).json()
 
     def _wait_ready(self, timeout_s: float) -> None:

@@ -52,6 +52,9 @@ class TimedPowerOfTwoRouter(link.ServeLinked, PowerOfTwoChoicesRequestRouter):
         their slots; None before Serve told)."""
         return len(self.curr_replicas) or None
 
+    def cached_tokens(self, request: Any) -> int | None:
+        return None  # it reads no index: the fair queue charges whole prompts
+
     def close(self) -> None:
         pass  # it holds nothing of the index
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 REQUESTS = Counter("prefix_serve_requests", "HTTP API requests by status", ["endpoint", "status"])
 PROMPT_TOKENS = Counter("prefix_serve_prompt_tokens", "Prompt tokens served")
@@ -17,4 +17,25 @@ TTFT = Histogram(
     "prefix_serve_ttft_seconds",
     "Time from request to first token, at the ingress",
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+# the fair queue (cluster.gate), per tenant (cluster.tenants: a plain key's tenant is named
+# after its hash, never the key)
+TENANT_QUEUED = Gauge(
+    "prefix_serve_tenant_queued_requests", "Requests waiting at this ingress", ["tenant"]
+)
+TENANT_WAIT = Histogram(
+    "prefix_serve_tenant_queue_wait_seconds",
+    "Time a request waited at the ingress for an engine slot",
+    ["tenant", "priority"],
+    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+TENANT_REJECTED = Counter(
+    "prefix_serve_tenant_rejected_requests",
+    "Requests refused at the ingress, by reason (queue_full, queue_timeout)",
+    ["tenant", "reason"],
+)
+TENANT_CHARGED = Counter(
+    "prefix_serve_tenant_charged_tokens",
+    "Tokens charged to a tenant: prompt tokens not served from cache, and output tokens",
+    ["tenant"],
 )

@@ -19,6 +19,8 @@ from typing import Any, Protocol
 from ray.serve import context as serve_context
 from ray.serve.request_router import PendingRequest, RunningReplica
 
+from kvindex.records import RoutingRequest
+
 
 class LinkedRouter(Protocol):
     """What the ingress may ask of its router."""
@@ -39,6 +41,10 @@ class LinkedRouter(Protocol):
 
     def engine_replicas(self) -> int | None:
         """The engine replicas Serve runs now (None: none known yet)."""
+
+    def cached_tokens(self, request: RoutingRequest) -> int | None:
+        """Prompt tokens of ``request`` the replica holding the most of it has (None:
+        unknown)."""
 
     def close(self) -> None:
         """The ingress is stopping: let go of the index (its shared bookings)."""
@@ -76,6 +82,11 @@ class RouterLink:
         """For the ingress's admission cap (a length read, safe from any thread)."""
         router = self._router
         return router.engine_replicas() if router is not None else None
+
+    def cached_tokens(self, request: RoutingRequest) -> int | None:
+        """For the ingress's fair queue (thread-safe: the router's mirror, under its lock)."""
+        router = self._router
+        return router.cached_tokens(request) if router is not None else None
 
     def close(self) -> None:
         router, self._router = self._router, None

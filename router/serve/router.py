@@ -39,6 +39,7 @@ from kvindex.stored import StorePrices
 from router import routing_stats
 from router.config import ServedPolicy, make_policy, routing_config
 from router.core import Decision, RoutingCore
+from router.policies import cache_credits
 from router.recent_routes import RecentRoutes
 from router.serve import link
 from router.serve.queue_lengths import QueueLengths
@@ -175,6 +176,18 @@ class PrefixAwareRequestRouter(link.ServeLinked, RequestRouter):
     def engine_replicas(self) -> int | None:
         """The engine replicas Serve runs and routes to now (None before it told)."""
         return len(self.curr_replicas) or None
+
+    def cached_tokens(self, request: RoutingRequest) -> int | None:
+        """The most of ``request``'s prompt one replica holds, in tokens, by this router's
+        mirror of the index (None without a synced mirror: a query would cost a Redis round
+        trip on the request's path)."""
+        mirror = self.mirror
+        if mirror is None or not mirror.synced():
+            return None
+        table = mirror.query(request.block_hashes)
+        if table is None or len(table) == 0:
+            return 0 if table is not None else None
+        return int(cache_credits(request, table).max())
 
     def reason(self, request_id: str) -> str | None:
         return self.stats.reason(request_id)

@@ -1,0 +1,200 @@
+"""The ingress's fair queue and who a request belongs to (``cluster.fair_queue``,
+``cluster.tenants``): shares, priorities, deadlines, charge-back and header trust, exactly,
+on the queue itself (the engines stand in as a loop that finishes whatever was admitted)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from cluster.api.errors import APIError
+from cluster.config import ClusterArgs
+from cluster.fair_queue import FairQueue, Ticket
+from cluster.tenants import APIKeyRecord, Tenant, Tenants, key_tenant_name
+
+
+async def _serve(queue: FairQueue, jobs: list[tuple[Tenant, float]], served: int) -> list[str]:
+    """Submit every job at once, then finish admitted ones one at a time (each charged its
+    estimate) until ``served`` have run; the tenants in the order they were admitted."""
+    order: list[str] = []
+    admitted: asyncio.Queue[Ticket] = asyncio.Queue()
+
+    async def one(tenant: Tenant, cost: float) -> None:
+        ticket = await queue.enter(tenant, cost, 1, deadline_s=60)
+        order.append(tenant.name)
+        await admitted.put(ticket)
+
+    tasks = [asyncio.create_task(one(t, c)) for t, c in jobs]
+    await asyncio.sleep(0)
+    while len(order) < served:
+        ticket = await admitted.get()
+        await asyncio.sleep(0)
+        queue.leave(ticket)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return order[:served]
+
+
+def test_two_saturating_tenants_of_weights_1_and_3_share_1_to_3_in_tokens() -> None:
+    queue = FairQueue(lambda: 1)
+    light, heavy = Tenant("a", weight=1.0), Tenant("b", weight=3.0)
+    jobs = [(t, 100.0) for _ in range(200) for t in (light, heavy)]
+    order = asyncio.run(_serve(queue, jobs, 200))
+    counts = Counter(order)
+    assert counts["b"] / counts["a"] == pytest.approx(3.0, rel=0.05)
+    charged = queue.charged
+    assert charged["b"] / charged["a"] == pytest.approx(3.0, rel=0.05)
+
+
+def test_the_share_is_of_cost_after_the_cache_not_of_requests() -> None:
+    """A tenant whose prompts are cached (cost 100) gets ten requests through for each of a
+    tenant whose prompts are not (cost 1,000), at equal weights: equal tokens."""
+    queue = FairQueue(lambda: 1)
+    cold, warm = Tenant("cold"), Tenant("warm")
+    jobs = [(cold, 1000.0) for _ in range(50)] + [(warm, 100.0) for _ in range(300)]
+    order = asyncio.run(_serve(queue, jobs, 220))
+    counts = Counter(order)
+    assert counts["warm"] / counts["cold"] == pytest.approx(10.0, rel=0.1)
+
+
+def test_a_higher_priority_always_leaves_the_queue_first() -> None:
+    async def run() -> list[str]:
+        queue = FairQueue(lambda: 1)
+        first = await queue.enter(Tenant("batch"), 10, 1, 60)  # holds the one slot
+        order: list[str] = []
+
+        async def one(tenant: Tenant) -> None:
+            ticket = await queue.enter(tenant, 10, 1, 60)
+            order.append(f"{tenant.name}{tenant.priority}")
+            queue.leave(ticket)
+
+        tasks = [asyncio.create_task(one(Tenant("batch", priority=0))) for _ in range(5)]
+        await asyncio.sleep(0)
+        tasks += [asyncio.create_task(one(Tenant("chat", priority=2))) for _ in range(2)]
+        tasks.append(asyncio.create_task(one(Tenant("ops", priority=5))))
+        await asyncio.sleep(0)
+        queue.leave(first)
+        await asyncio.gather(*tasks)
+        assert queue.in_flight == 0 and queue.waiting == 0
+        return order
+
+    assert asyncio.run(run()) == ["ops5", "chat2", "chat2"] + ["batch0"] * 5
+
+
+def test_a_request_that_cannot_start_by_its_deadline_is_refused_at_once() -> None:
+    """Once the drain rate is known (tokens charged lately), a request with more cost queued
+    ahead of it than drains by its deadline is refused with 503 and Retry-After at once
+    (the fake clock never moves: a refusal after waiting would say 1 s); it is charged
+    nothing."""
+    now = [0.0]
+
+    async def run() -> None:
+        queue = FairQueue(lambda: 1, clock=lambda: now[0])
+        for _ in range(4):  # 4 requests of 100 tokens in 4 s: 100 tokens/s
+            ticket = await queue.enter(Tenant("a"), 100, 1, 60)
+            now[0] += 1.0
+            queue.leave(ticket)
+        holder = await queue.enter(Tenant("a"), 100, 1, 60)
+        waiters = [asyncio.create_task(queue.enter(Tenant("a"), 100, 1, 60)) for _ in range(5)]
+        await asyncio.sleep(0)
+        before = dict(queue._finish)
+        with pytest.raises(APIError) as refused:  # 500 of a's tokens ahead: 3.75 s > 2 s
+            await queue.enter(Tenant("a"), 100, 1, 2.0)
+        assert refused.value.status == 503 and refused.value.code == "queue_timeout"
+        assert (refused.value.headers or {})["retry-after"] == "4"  # 400 tokens in 3 s
+        assert queue.waiting == 5 and queue._finish == before  # nothing charged
+        queue.leave(holder)
+        for task in waiters:
+            task.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+
+    asyncio.run(run())
+
+
+def test_a_request_still_waiting_at_its_deadline_is_refused_then_and_not_charged() -> None:
+    async def run() -> None:
+        queue = FairQueue(lambda: 1)
+        holder = await queue.enter(Tenant("a"), 100, 1, 60)
+        with pytest.raises(APIError) as refused:
+            await queue.enter(Tenant("b"), 100, 1, 0.05)
+        assert refused.value.code == "queue_timeout" and queue.waiting == 0
+        queue.leave(holder)
+        assert queue.in_flight == 0 and queue.charged["b"] == 0
+        # b's finish tag went back: its next request starts level with a's
+        ticket = await queue.enter(Tenant("b"), 100, 1, 60)
+        queue.leave(ticket)
+
+    asyncio.run(run())
+
+
+def test_a_full_queue_refuses_at_once_and_a_client_that_leaves_frees_its_place() -> None:
+    async def run() -> None:
+        queue = FairQueue(lambda: 1, max_waiting=2)
+        holder = await queue.enter(Tenant("a"), 1, 1, 60)
+        waiting = [asyncio.create_task(queue.enter(Tenant("a"), 1, 1, 60)) for _ in range(2)]
+        await asyncio.sleep(0)
+        with pytest.raises(APIError) as full:
+            await queue.enter(Tenant("a"), 1, 1, 60)
+        assert full.value.code == "overloaded"
+        waiting[0].cancel()  # the client went away
+        await asyncio.gather(waiting[0], return_exceptions=True)
+        assert queue.waiting == 1
+        queue.leave(holder)
+        ticket = await waiting[1]
+        queue.leave(ticket)
+        with pytest.raises(AssertionError):
+            queue.leave(ticket)
+        assert queue.in_flight == 0 and queue.waiting == 0
+
+    asyncio.run(run())
+
+
+def test_charge_back_moves_a_tenants_next_turn() -> None:
+    """A request estimated at its max_tokens that stopped early is charged what it used:
+    its tenant's next turn comes that much sooner."""
+    queue = FairQueue(lambda: 1)
+
+    async def run() -> None:
+        ticket = await queue.enter(Tenant("a"), 1000, 1, 60)
+        queue.leave(ticket, actual_cost=100)
+        assert queue.charged["a"] == 100
+        assert queue._finish["a"] == pytest.approx(100)
+
+    asyncio.run(run())
+
+
+def test_headers_change_a_tenant_only_as_far_as_its_key_allows() -> None:
+    tenants = Tenants(
+        [
+            "plain-key",
+            APIKeyRecord(key="k-batch", tenant="batch", priority=1, weight=0.5),
+            APIKeyRecord(key="k-gw", tenant="gateway", priority=2, trust_headers=True),
+            APIKeyRecord(key="k-ops", tenant="ops", priority=4, weight=4),
+        ]
+    )
+    assert tenants.of("plain-key", {}).name == key_tenant_name("plain-key")
+    assert tenants.of("k-batch", {}) == Tenant("batch", 1, 0.5)
+    # an untrusted key: a higher priority and another tenant are ignored, a lower one taken
+    assert tenants.of("k-batch", {"x-priority": "9", "x-tenant": "ops"}) == Tenant("batch", 1, 0.5)
+    assert tenants.of("k-batch", {"x-priority": "0"}).priority == 0
+    assert tenants.of("k-batch", {"x-priority": "-3"}).priority == 1  # not a priority
+    # a trusted gateway: its users by name, at the priority it says
+    assert tenants.of("k-gw", {"x-priority": "7"}).priority == 7
+    assert tenants.of("k-gw", {"x-tenant": "ops"}) == Tenant("ops", 2, 4.0)
+    assert tenants.of("k-gw", {"x-tenant": "user-17"}).name == "user-17"
+    assert tenants.of("k-gw", {"x-tenant": "no spaces!"}).name == "gateway"
+    assert Tenants([]).of(None, {"x-priority": "9"}) == Tenant("default")
+
+
+def test_api_keys_take_plain_keys_and_records_and_refuse_a_key_twice() -> None:
+    args = ClusterArgs.model_validate(
+        {"api_keys": ["k1", {"key": "k2", "tenant": "team-2", "priority": 3, "weight": 2}]}
+    )
+    assert isinstance(args.api_keys[1], APIKeyRecord) and args.api_keys[1].priority == 3
+    with pytest.raises(ValueError, match="listed twice"):
+        ClusterArgs.model_validate({"api_keys": ["k1", {"key": "k1", "tenant": "t"}]})
+    with pytest.raises(ValueError):
+        ClusterArgs.model_validate({"api_keys": [{"key": "k", "tenant": "t", "priority": 10}]})

@@ -1,0 +1,142 @@
+"""Tenants and the fair queue on the real cluster: one engine replica of the tiny model with
+one slot (``max_ongoing_requests: 1``), so every other request waits at the ingress, and
+keys of three tenants at different priorities, driven by the ``openai`` SDK.
+
+Requests submitted together reach the ingress in no exact order and run for tens of
+milliseconds each, so the checks ask for what only a priority queue gives (a request sent
+after six others finishes among the first three), not for an exact sequence; without the
+fair queue (Serve's queue, first come first served) it would finish last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from conftest import keep_logs, tiny
+
+from bench.harness.launcher import ServeCluster
+from bench.harness.redis_server import LocalRedis
+from cluster.config import ClusterArgs
+from kvindex.config import IndexConfig
+
+MODEL = "tiny-llama-6m"
+KEYS = {
+    "batch": {"key": "sk-batch", "tenant": "batch", "priority": 0},
+    "chat": {"key": "sk-chat", "tenant": "chat", "priority": 5},
+    "metered": {"key": "sk-metered", "tenant": "metered", "limits": {"requests_per_minute": 3}},
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server: LocalRedis, request: pytest.FixtureRequest) -> Iterator[ServeCluster]:
+    args = ClusterArgs(
+        engine=tiny(num_threads=1, num_blocks=256, max_model_len=512),
+        num_replicas=1,
+        max_ongoing_requests=1,
+        max_queued_requests=16,
+        max_tokens_limit=64,
+        fair_queue={"enabled": True, "deadline_s": 30},
+        api_keys=list(KEYS.values()),
+        index=IndexConfig(url=redis_server.url, cluster="tenants"),
+    )
+    failed = request.session.testsfailed
+    c = ServeCluster(args).start()
+    yield c
+    c.stop(keep_logs=keep_logs(request, failed))
+
+
+def client(cluster: ServeCluster, tenant: str) -> openai.AsyncOpenAI:
+    key = KEYS[tenant]["key"]
+    return openai.AsyncOpenAI(base_url=f"{cluster.base_url}/v1", api_key=key, max_retries=0)
+
+
+async def _finish_order(cluster: ServeCluster) -> list[str]:
+    """Six batch requests, then (50 ms later) a batch request claiming priority 9 in a header
+    and a chat request: the order in which they finished."""
+    order: list[str] = []
+
+    async def one(name: str, tenant: str, headers: dict[str, str] | None = None) -> None:
+        await client(cluster, tenant).completions.create(
+            model=MODEL,
+            prompt=f"request {name} " * 8,
+            max_tokens=32,
+            temperature=0,
+            extra_headers=headers,
+        )
+        order.append(name)
+
+    batch = [asyncio.create_task(one(f"batch{i}", "batch")) for i in range(6)]
+    await asyncio.sleep(0.05)
+    late = [
+        asyncio.create_task(one("claims9", "batch", {"x-priority": "9"})),
+        asyncio.create_task(one("chat", "chat")),
+    ]
+    await asyncio.gather(*batch, *late)
+    return order
+
+
+def test_a_higher_priority_goes_first_and_an_untrusted_header_does_not_raise_one(
+    cluster: ServeCluster,
+) -> None:
+    order = asyncio.run(_finish_order(cluster))
+    assert order.index("chat") <= 2, order  # past the batch requests waiting before it
+    assert order.index("claims9") >= 5, order  # its key may not raise its priority
+
+
+def test_a_request_that_cannot_start_by_its_deadline_gets_503_and_retry_after(
+    cluster: ServeCluster,
+) -> None:
+    async def run() -> httpx.Response:
+        backlog = [
+            client(cluster, "batch").completions.create(
+                model=MODEL, prompt=f"backlog {i}", max_tokens=64, temperature=0
+            )
+            for i in range(8)
+        ]
+        tasks = [asyncio.create_task(b) for b in backlog]
+        await asyncio.sleep(0.05)
+        async with httpx.AsyncClient(base_url=cluster.base_url, timeout=30) as http:
+            refused = await http.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": "in a hurry", "max_tokens": 8},
+                headers={"authorization": "Bearer sk-batch", "x-request-timeout": "0.2"},
+            )
+        await asyncio.gather(*tasks)
+        return refused
+
+    refused = asyncio.run(run())
+    assert refused.status_code == 503, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "queue_timeout" and error["type"] == "overloaded_error"
+    assert int(refused.headers["retry-after"]) >= 1
+
+
+def test_a_tenant_over_its_quota_gets_openais_429_and_headers(cluster: ServeCluster) -> None:
+    with httpx.Client(base_url=cluster.base_url, timeout=30) as http:
+        body = {"model": MODEL, "prompt": "metered", "max_tokens": 4}
+        auth = {"authorization": "Bearer sk-metered"}
+        answers = [http.post("/v1/completions", json=body, headers=auth) for _ in range(4)]
+    assert [a.status_code for a in answers] == [200, 200, 200, 429]
+    assert [a.headers["x-ratelimit-remaining-requests"] for a in answers] == ["2", "1", "0", "0"]
+    assert answers[0].headers["x-ratelimit-limit-requests"] == "3"
+    refused = answers[3]
+    error = refused.json()["error"]
+    assert error["code"] == "rate_limit_exceeded" and error["type"] == "requests"
+    assert int(refused.headers["retry-after"]) >= 1
+
+
+def test_metrics_count_each_tenants_tokens_and_refusals(cluster: ServeCluster) -> None:
+    text = httpx.get(
+        f"{cluster.base_url}/metrics", headers={"authorization": "Bearer sk-chat"}, timeout=10
+    ).text
+    assert 'prefix_serve_tenant_charged_tokens_total{tenant="batch"}' in text
+    assert 'prefix_serve_tenant_charged_tokens_total{tenant="chat"}' in text
+    assert (
+        'prefix_serve_tenant_rejected_requests_total{reason="queue_timeout",tenant="batch"}' in text
+    )
+    assert 'prefix_serve_tenant_queue_wait_seconds_count{priority="5",tenant="chat"}' in text
+    assert 'prefix_serve_tenant_rejected_requests_total{reason="requests",tenant="metered"}' in text
