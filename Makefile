@@ -83,6 +83,13 @@ bench: install install-vllm
 	    --rates 5 --out results/routing-vllm-hot_tenant
 	$(BENCH_ROUTING_VLLM) --workload multi_turn --conversations 12 --requests 120 \
 	    --rates 1.5 --out results/routing-vllm-multi_turn
+	$(PY) -m bench routing --backend vllm --num-blocks 320 --repeats 2 \
+	    --policies prefill_cost,ray_llm:ours,ray_llm:kv,ray_llm:prefix,ray_llm:pow2 \
+	    --workload multi_tenant --tenants 24 --zipf 0.6 --requests 120 --rates 4 \
+	    --out results/routing-vllm-raylm-multi_tenant
+	$(PY) -m bench stack --stacks ours-vllm,ray-llm:kv --repeats 3 --prompts 120 \
+	    --prefixes 6 --prefix-len 512 --suffix-len 64 --output-len 64 --rate 4 \
+	    --concurrency 8 --seed 0 --out results/stack-vllm.json
 	$(PY) -m bench engine --trace chat --out results/engine-chat.json
 	$(PY) -m bench engine --model smollm2-135m-instruct --dtype bfloat16 \
 	    --trace assistant --rate 2 --requests 48 --vllm --out results/engine-assistant.json

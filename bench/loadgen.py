@@ -2,7 +2,8 @@
 
 Each request is sent at its arrival time whether or not earlier ones finished, streamed
 (``/v1/completions``, ``stream: true``, usage included), and timed: TTFT is the time to the
-response headers, which the ingress sends once the engine produced the first token.
+first chunk carrying text (our ingress sends its headers with it; Ray Serve LLM's direct
+streaming sends them before any token, so timing the headers would flatter it).
 """
 
 from __future__ import annotations
@@ -130,8 +131,8 @@ async def _send(client: httpx.AsyncClient, model: str, req: TraceRequest) -> Req
                 result.error = (await resp.aread()).decode(errors="replace")[:300]
                 result.latency_s = time.monotonic() - t0
                 return result
-            result.ttft_s = time.monotonic() - t0
-            last: float | None = None
+            headers_s = time.monotonic() - t0  # our ingress answers with the first token;
+            last: float | None = None  # a peer may answer before it (Ray's direct streaming)
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -148,7 +149,11 @@ async def _send(client: httpx.AsyncClient, model: str, req: TraceRequest) -> Req
                     now = time.monotonic()
                     if last is not None:
                         result.itl_s.append(now - last)
+                    else:  # the first token: time to first token
+                        result.ttft_s = now - t0
                     last = now
+            if result.ttft_s is None:  # no text came (an empty answer): the headers' time
+                result.ttft_s = headers_s
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     result.latency_s = time.monotonic() - t0

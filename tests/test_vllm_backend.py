@@ -201,12 +201,27 @@ def test_evicted_blocks_leave_the_index(cluster: ServeCluster, client: openai.Op
     assert predicted == served
 
 
-def test_a_killed_replica_leaves_the_index(cluster: ServeCluster, client: openai.OpenAI) -> None:
-    """SIGKILL (no destructor runs): its heartbeat lapses and the index drops it and its
-    blocks; the other replica serves on."""
-    replicas = cluster.stats()["replicas"]
-    victim, info = next(iter(replicas.items()))
-    os.kill(info["pid"], signal.SIGKILL)
+def test_a_killed_replica_leaves_the_index_and_its_stream_resumes(
+    cluster: ServeCluster, client: openai.OpenAI
+) -> None:
+    """SIGKILL (no destructor runs) of the replica streaming a request: the client's stream
+    goes on from the other replica (prompt + delivered tokens re-sent: the whole count, one
+    finish, no error; not token-exact on vLLM, so the text is not compared), its heartbeat
+    lapses and the index drops it and its blocks; the other replica serves on."""
+    prompt = random_prompt(random.Random(9), 2)
+    with client.completions.with_streaming_response.create(
+        model=MODEL, prompt=prompt, max_tokens=64, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ) as response:  # fmt: skip
+        victim = response.headers["x-replica-id"]
+        chunks = response.parse()
+        pieces = [next(chunks) for _ in range(3)]  # mid-stream: 3 tokens delivered
+        os.kill(cluster.stats()["replicas"][victim]["pid"], signal.SIGKILL)
+        pieces += list(chunks)
+    finishes = [c.choices[0].finish_reason for c in pieces if c.choices]
+    assert [f for f in finishes if f] == ["length"]
+    usage = pieces[-1].usage
+    assert usage is not None and usage.completion_tokens == 64
     index = IndexReader(cluster.args.index, MODEL)
     try:
         deadline = time.monotonic() + 60  # the heartbeat TTL, then the next reap purges it

@@ -76,6 +76,7 @@ def ray_llm(
         _serve(python, hf, work_dir, cache, cores, flags, redis.url) as running,
     ):
         running.notes["peer_given"] = given
+        running.notes["index_url"] = redis.url  # where router ``ours`` keeps its index
         yield running  # the sweep is left last: after the script and its Ray have exited
     running.stopped |= sweep.summary()
 
