@@ -76,6 +76,9 @@ class Gate:
     async def enter(self, http: Request, requests: list[EngineRequest]) -> Admitted:
         """Take the tenant's quotas, then wait (fair queue) or not (cap) for the engines."""
         count, tenant = len(requests), self.tenant(http)
+        if self.queue is None and self.quotas is None:  # the cap alone: nothing is charged
+            self.admission.enter(count)
+            return Admitted(lambda _streams: self.admission.leave(count))
         cost = sum(estimated_cost(r) for r in requests)
         taken = await self._take(tenant, cost)
         try:

@@ -3,7 +3,9 @@ the engine config most tests run (the tiny random model in float32)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,3 +43,14 @@ def tiny(**fields: Any) -> EngineConfig:
     return EngineConfig(
         **{"model": TINY_MODEL, "dtype": "float32", "max_num_batched_tokens": 512, **fields}
     )
+
+
+def vllm_paths() -> tuple[Path, Path]:
+    """vLLM's interpreter and SmolLM2's Hugging Face folder, as ``make test`` names them."""
+    python, folder = (
+        os.environ.get("PREFIX_SERVE_VLLM_PYTHON"),
+        os.environ.get("PREFIX_SERVE_HF_MODEL"),
+    )
+    if not (python and folder):
+        pytest.fail("run through `make test` (it installs vLLM's virtualenv: make install-vllm)")
+    return Path(python), Path(folder)

@@ -13,13 +13,13 @@ about half of them.
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from pathlib import Path
 
 import openai
 import pytest
+from conftest import vllm_paths
 
 from bench.peers.ray_llm_stack import ray_llm
 from kvindex.config import IndexConfig
@@ -41,16 +41,6 @@ ENGINE = {  # small and eager: starts in about a minute
 }
 
 
-def _paths() -> tuple[Path, Path]:
-    python, folder = (
-        os.environ.get("PREFIX_SERVE_VLLM_PYTHON"),
-        os.environ.get("PREFIX_SERVE_HF_MODEL"),
-    )
-    if not (python and folder):
-        pytest.fail("run through `make test` (it installs vLLM's virtualenv: make install-vllm)")
-    return Path(python), Path(folder)
-
-
 def _held(index: IndexReader, chain: list[bytes], timeout_s: float = 30.0) -> dict[str, int]:
     """The replicas holding leading blocks of ``chain``, once one holds all of it."""
     deadline = time.monotonic() + timeout_s
@@ -64,7 +54,7 @@ def _held(index: IndexReader, chain: list[bytes], timeout_s: float = 30.0) -> di
 
 
 def test_ray_serve_llm_with_our_router_sends_every_repeat_to_its_holder(tmp_path: Path) -> None:
-    python, folder = _paths()
+    python, folder = vllm_paths()
     rng = random.Random(3)
     prompts = [[rng.choice(VOCAB) for _ in range(BLOCKS * BLOCK + 5)] for _ in range(6)]
     with ray_llm(python, folder, tmp_path, False, router="ours", engine_kwargs=ENGINE) as stack:

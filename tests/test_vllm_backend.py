@@ -20,11 +20,10 @@ import random
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
-from conftest import keep_logs
+from conftest import keep_logs, vllm_paths
 
 from bench.harness.launcher import ServeCluster
 from bench.harness.redis_server import LocalRedis
@@ -40,19 +39,9 @@ DROPPED = (2, 5, 11)  # event batches each replica's subscriber throws away on a
 VOCAB = range(1000, 20000)  # ordinary tokens of SmolLM2's vocabulary (no special ones)
 
 
-def _paths() -> tuple[Path, Path]:
-    python, folder = (
-        os.environ.get("PREFIX_SERVE_VLLM_PYTHON"),
-        os.environ.get("PREFIX_SERVE_HF_MODEL"),
-    )
-    if not (python and folder):
-        pytest.fail("run through `make test` (it installs vLLM's virtualenv: make install-vllm)")
-    return Path(python), Path(folder)
-
-
 @pytest.fixture(scope="module")
 def cluster(redis_server: LocalRedis, request: pytest.FixtureRequest) -> Iterator[ServeCluster]:
-    python, folder = _paths()
+    python, folder = vllm_paths()
     args = ClusterArgs.model_validate(
         {
             "num_replicas": 2,
