@@ -23,22 +23,33 @@ policy over the Redis index and its mirror):
 * Dynamo's selection service, which Ray's ingress builds for a ``KVAwareRouter``, is never
   asked (without ``ai-dynamo`` installed it logs a warning and stays idle).
 
-What differs from our own cluster: no ingress of ours reports first tokens, so a request's
-prefill counts as load until it finishes; a request with a ``cache_salt`` is hashed without
-it (a miss, never a wrong hit); a gap that vLLM's replay buffer no longer covers clears the
+* on this path Serve never reports a request routed or ended to its router (Ray's ingress
+  picks with ``choose_replica(_reserve=False)`` and sends through HAProxy), so a request is
+  booked on its first choice as it is ranked, and its prefill and its booking end with the
+  lifecycle events every replica reports to the ingress (``cluster.ray_llm_events``); a
+  booking whose end was lost (the reports are best-effort) expires after
+  ``routing.booking_ttl_s``.
+
+What differs from our own cluster: a request with a ``cache_salt`` is hashed without it (a
+miss, never a wrong hit); a gap that vLLM's replay buffer no longer covers clears the
 replica's entry and its lost chains stay unpublished until they are evicted (this router
 cannot reset a replica's cache).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from ray.llm._internal.serve.routing_policies.kv_aware.kv_aware_router import KVAwareRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
+from cluster import ray_llm_events
 from kvindex.config import IndexConfig
 from kvindex.hashing import BlockHasher
 from kvindex.records import RoutingRequest
@@ -88,12 +99,71 @@ class RayLLMPrefixRouter(PrefixAwareRequestRouter, KVAwareRouter):
         self._feeds_lock = threading.Lock()
         self._hasher: BlockHasher | None = None
         self._routes: dict[str, RoutingRequest] = {}  # Serve's request id -> its route
+        self._booked_at: OrderedDict[str, float] = OrderedDict()  # request id -> when, oldest first
+        self._listening = ray_llm_events.listen(self)
 
     async def rank_candidates(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
     ) -> list[list[RunningReplica]]:
         self._follow(candidate_replicas)
-        return await super().rank_candidates(candidate_replicas, pending_request)
+        if not self._listening:  # the ingress builds its tracker before it routes
+            self._listening = ray_llm_events.listen(self)
+        self._expire(time.monotonic())
+        ranks = await super().rank_candidates(candidate_replicas, pending_request)
+        self._book_first_choice(pending_request)
+        return ranks
+
+    def _book_first_choice(self, pending_request: PendingRequest | None) -> None:
+        """Book the request where Ray's ingress sends it, its first choice (module
+        docstring): Serve will not say where it went."""
+        request = self.routing_request(pending_request)
+        if request is None or pending_request is None:
+            return
+        self._routes.pop(pending_request.metadata.internal_request_id, None)
+        decision = self._decisions.pop(request.request_id, None)
+        if decision is None or not decision.ranking:
+            return
+        rid = decision.ranking[0]
+        self.stats.record_routed(rid)
+        self.channel.booked(self.core.routed(decision, rid))
+        self._booked_at[request.request_id] = time.monotonic()
+
+    def _expire(self, now: float) -> None:
+        """Release the bookings whose end never came (lost reports)."""
+        ttl = self.config.booking_ttl_s
+        while self._booked_at:
+            request_id, at = next(iter(self._booked_at.items()))
+            if now - at < ttl:
+                return
+            self._released(request_id)
+
+    def prefill_reported(self, request_id: str) -> None:
+        """A replica reported the request's first token (on the ingress's loop)."""
+        self._on_own_loop(self.prefill_done, request_id)
+
+    def end_reported(self, request_id: str) -> None:
+        """A replica reported the request over (on the ingress's loop)."""
+        self._on_own_loop(self._released, request_id)
+
+    def _released(self, request_id: str) -> None:
+        self._booked_at.pop(request_id, None)
+        booking = self.core.release(request_id)
+        if booking is not None:
+            self.channel.released(booking)
+
+    def _on_own_loop(self, call: Callable[[str], None], request_id: str) -> None:
+        """Run ``call`` where this router's bookings live: its decisions' loop."""
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            return  # no decision made yet: nothing booked
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            call(request_id)
+        else:
+            loop.call_soon_threadsafe(call, request_id)
 
     def _follow(self, replicas: list[RunningReplica]) -> None:
         """A feed for every replica that advertises its events and has none yet."""
@@ -114,7 +184,7 @@ class RayLLMPrefixRouter(PrefixAwareRequestRouter, KVAwareRouter):
             return None
         key = pending_request.metadata.internal_request_id
         route = self._routes.get(key)
-        ids = pending_request.kwargs.get(TOKEN_IDS)
+        ids = pending_request.kwargs.get(TOKEN_IDS) or _prompt_ids(pending_request)
         if route is None and ids:
             route = RoutingRequest(
                 request_id=pending_request.metadata.request_id or key,
@@ -155,6 +225,19 @@ class RayLLMPrefixRouter(PrefixAwareRequestRouter, KVAwareRouter):
         for rid in list(self._feeds):
             self._drop_feed(rid)
         super().close()
+
+
+def _prompt_ids(pending: PendingRequest) -> list[int] | None:
+    """A completion's prompt when the client sent it as token ids (one prompt, or a batch of
+    one): Ray's ingress forwards ids only for a text prompt or a chat, and these are already
+    exactly what vLLM will prefill."""
+    payload = pending.args[0] if pending.args else None
+    prompt = getattr(payload, "prompt", None)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return prompt
+    return None
 
 
 def _max_tokens(pending: PendingRequest) -> int:

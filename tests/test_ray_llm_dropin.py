@@ -5,25 +5,29 @@ by the ``openai`` SDK, with a real redis-server for the index.
 
 Ray's app says nothing of which replica served a request, so the checks read the two
 things it does expose: the index the router's feeds wrote (our chain of every prompt, held
-by one replica) and vLLM's own prefix-cache counters (through Ray's metrics agent). Each of
-six prompts is sent twice: every block of every repeat is served from vLLM's cache only if
-each repeat went to the replica holding its prompt; a router that chose blind would miss
-about half of them.
+by one replica) and vLLM's own prefix-cache counters (through Ray's metrics agent). Six new
+prompts are sent at once: they must spread over both replicas (on this path Serve never
+tells a router where a request went or when it ended, so a router that learns neither sees
+two idle replicas at every decision). Each is then sent again, one at a time: every block of
+every repeat is served from vLLM's cache only if each repeat went to the replica holding its
+prompt; a router that chose blind would miss about half of them.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
-import pytest
 from conftest import vllm_paths
 
 from bench.peers.ray_llm_stack import ray_llm
 from kvindex.config import IndexConfig
 from kvindex.hashing import BlockHasher
+from kvindex.mirror import IndexMirror
 from kvindex.reader import IndexReader
 from replica.checkpoints import SMOLLM2
 
@@ -53,6 +57,24 @@ def _held(index: IndexReader, chain: list[bytes], timeout_s: float = 30.0) -> di
     return holders
 
 
+def _most_in_flight(mirror: IndexMirror, timeout_s: float) -> int:
+    """The most requests the routers' shares held booked at once within ``timeout_s``,
+    until 6 were (a mirror sums every router's shares, as the routers' own do)."""
+    most, deadline = 0, time.monotonic() + timeout_s
+    while most < 6 and time.monotonic() < deadline:
+        most = max(most, mirror.state.shared_in_flight)
+        time.sleep(0.02)
+    return most
+
+
+def _in_flight_after(mirror: IndexMirror, timeout_s: float) -> int:
+    """Requests still booked once none is, or ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    while (left := mirror.state.shared_in_flight) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
 def test_ray_serve_llm_with_our_router_sends_every_repeat_to_its_holder(tmp_path: Path) -> None:
     python, folder = vllm_paths()
     rng = random.Random(3)
@@ -60,31 +82,42 @@ def test_ray_serve_llm_with_our_router_sends_every_repeat_to_its_holder(tmp_path
     with ray_llm(python, folder, tmp_path, False, router="ours", engine_kwargs=ENGINE) as stack:
         client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0)
 
-        def serve_all() -> None:
-            for prompt in prompts:
-                client.completions.create(model=SMOLLM2, prompt=prompt, max_tokens=2, temperature=0)
+        def serve(prompt: list[int], max_tokens: int = 8) -> None:
+            client.completions.create(
+                model=SMOLLM2, prompt=prompt, max_tokens=max_tokens, temperature=0
+            )
 
-        serve_all()
+        def serve_long(prompt: list[int]) -> None:  # outlives the routers' 0.5 s share
+            serve(prompt, 64)
+
         config = IndexConfig(url=stack.notes["index_url"], cluster="ray-llm")
         index = IndexReader(config, CHAIN_ROOT)
+        mirror = IndexMirror(config, CHAIN_ROOT, router_id="test-observer").start()
+        hasher = BlockHasher(BLOCK, CHAIN_ROOT)
         try:
-            hasher = BlockHasher(BLOCK, CHAIN_ROOT)
+            with ThreadPoolExecutor(len(prompts)) as pool:  # all new, all at once
+                done = pool.map(serve_long, prompts)
+                most_booked = _most_in_flight(mirror, 10.0)
+                list(done)
             held = [_held(index, hasher.chain(p)) for p in prompts]
             live = index.live_replicas()
+            # every booking ends with its request's end, which only a replica reports here
+            left = _in_flight_after(mirror, 10.0)
         finally:
+            mirror.stop()
             index.close()
+        assert most_booked >= 2  # the router booked requests as it routed them
+        assert left == 0
         assert len(live) == 2  # both replicas' feeds registered them
         # each prompt is in the index under our chain, every block of it on one replica
         assert all(sorted(h.values()) == [BLOCKS] for h in held), held
         before = stack.cache_counters()
-        serve_all()
+        for prompt in prompts:  # one at a time: each repeat to the replica holding it
+            serve(prompt)
         after = stack.cache_counters()
     queried, hits = (a - b for a, b in zip(after, before, strict=True))
     assert queried == len(prompts) * (BLOCKS * BLOCK + 5)  # vLLM counts prompt tokens
     assert hits == len(prompts) * BLOCKS * BLOCK  # every repeat found all of its blocks
-    if len({next(iter(h)) for h in held}) < 2:  # new prompts should spread over both
-        # Known defect (README, "Our router in Ray Serve LLM's own app"): on Ray's
-        # direct-streaming path every new prefix goes to one replica (in the benchmark, a
-        # TTFT p50 of 10 s against Ray's routers' 1.2-1.5 s). What this test checks above
-        # holds; this last check waits for the fix.
-        pytest.xfail("the drop-in sends every new prefix to one replica")
+    per_replica = Counter(next(iter(h)) for h in held)
+    # six equal new prompts at once: each booked where it went, the next one sees that load
+    assert sorted(per_replica.values()) == [3, 3], per_replica

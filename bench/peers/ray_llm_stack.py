@@ -35,6 +35,17 @@ from replica.model.cpu import resolve_dtype
 
 SCRIPT = Path(__file__).resolve().parent / "ray_serve_llm.py"
 REPLICAS = 2  # of one CPU each (ray_serve_llm.py's default)
+# What a KV-aware router needs of Ray 2.60 (``kv``, ``ours``): its LLM ingress tokenizes a
+# request and hands the router the prompt's token ids only with direct streaming (HAProxy in
+# front, asking the ingress's ``/internal/route`` where to send each request), and HAProxy
+# sends that route call the request's body only when told to; without the last one every
+# route call is body-less and a KV-aware router routes blind (Ray's falls back to a random
+# replica: what this benchmark measured as ``ray_llm:kv`` before it was set).
+KV_AWARE_ENV = {
+    "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1",
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
+}
 
 
 @contextmanager
@@ -108,9 +119,8 @@ def _serve(
         f"--index-url={index_url}",
     ]
     env = dict(os.environ)
-    # Ray's ingress tokenizes only on the direct-streaming path
     if "--router=kv" in flags or "--router=ours" in flags:
-        env |= {"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+        env |= KV_AWARE_ENV
     start = time.monotonic()
     with open(work_dir / "ray-llm-serve.log", "a") as f:
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=f, text=True, env=env)
