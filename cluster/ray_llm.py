@@ -7,14 +7,18 @@
 
 Ray Serve LLM tokenizes a request in its ingress and hands the prompt's token ids to the
 engine deployment's router only when that router is a ``KVAwareRouter`` (its
-``is_kv_aware``); it then also turns on each vLLM replica's KV events (ZMQ over TCP, one
-port per replica on its node) and advertises where, with vLLM's block size, in the replica's
-routing stats (``kv_event_metadata``). This class is such a router, and routes as our
-cluster's does (``router.serve.router.PrefixAwareRequestRouter``: the ``prefill_cost``
-policy over the Redis index and its mirror):
+``is_kv_aware``), on direct streaming (``RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1``,
+``RAY_SERVE_ENABLE_HA_PROXY=1``), and only if HAProxy sends the ingress's route call the
+request's body (``RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1``; without it the router
+is handed nothing and routes nothing); it then also turns on each vLLM replica's KV events
+(ZMQ over TCP, one port per replica on its node) and advertises where, with vLLM's block
+size, in the replica's routing stats (``kv_event_metadata``). This class is such a router,
+and routes as our cluster's does (``router.serve.router.PrefixAwareRequestRouter``: the
+``prefill_cost`` policy over the Redis index and its mirror):
 
-* the prompt's chain is our hash chain of the token ids Ray's ingress forwarded, at the
-  block size the replicas advertise;
+* the prompt's chain is our hash chain of the token ids Ray's ingress forwarded (or of a
+  completion's prompt the client sent as token ids, which Ray's ingress does not
+  tokenize), at the block size the replicas advertise;
 * each replica's events feed the index through the same bridge as our own vLLM replicas
   (``replica.vllm``: re-keyed by our chain, gaps replayed), run here, in the router's
   process, one subscriber per replica, published under the replica's Serve id with an epoch
