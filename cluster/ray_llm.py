@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -65,6 +66,7 @@ from router.serve.router import PrefixAwareRequestRouter
 
 log = logging.getLogger("ray.serve")
 TOKEN_IDS = "request_token_ids"  # Ray's ingress's keyword (kv_aware.constants)
+FORWARD_BODY = "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"  # HAProxy -> /internal/route
 MODEL_ID = "ray-serve-llm"  # roots every chain: the bridges and this router agree on it
 
 
@@ -105,6 +107,12 @@ class RayLLMPrefixRouter(PrefixAwareRequestRouter, KVAwareRouter):
         self._routes: dict[str, RoutingRequest] = {}  # Serve's request id -> its route
         self._booked_at: OrderedDict[str, float] = OrderedDict()  # request id -> when, oldest first
         self._listening = ray_llm_events.listen(self)
+        if os.environ.get(FORWARD_BODY) != "1":  # the silent failure of Ray's path: say it
+            log.warning(
+                "%s is not 1 here: Ray's ingress is then handed no request body, and this "
+                "router no token ids to route on (every request goes to any replica)",
+                FORWARD_BODY,
+            )
 
     async def rank_candidates(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
