@@ -42,7 +42,6 @@ cannot reset a replica's cache).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
@@ -132,12 +131,12 @@ class RayLLMPrefixRouter(PrefixAwareRequestRouter, KVAwareRouter):
         if request is None or pending_request is None:
             return
         self._routes.pop(pending_request.metadata.internal_request_id, None)
-        decision = self._decisions.pop(request.request_id, None)
+        decision = self._decisions.get(request.request_id)
         if decision is None or not decision.ranking:
             return
-        rid = decision.ranking[0]
-        self.stats.record_routed(rid)
-        self.channel.booked(self.core.routed(decision, rid))
+        first = decision.ranking[0]
+        self.stats.record_routed(first)
+        self.book(request.request_id, first)
         self._booked_at[request.request_id] = time.monotonic()
 
     def _expire(self, now: float) -> None:
@@ -159,22 +158,13 @@ class RayLLMPrefixRouter(PrefixAwareRequestRouter, KVAwareRouter):
 
     def _released(self, request_id: str) -> None:
         self._booked_at.pop(request_id, None)
-        booking = self.core.release(request_id)
-        if booking is not None:
-            self.channel.released(booking)
+        self.release(request_id)
 
     def _on_own_loop(self, call: Callable[[str], None], request_id: str) -> None:
-        """Run ``call`` where this router's bookings live: its decisions' loop."""
+        """Run ``call`` where this router's bookings live: its decisions' loop (as
+        ``router.serve.link`` hands the ingress's calls over)."""
         loop = self.loop
-        if loop is None or loop.is_closed():
-            return  # no decision made yet: nothing booked
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            call(request_id)
-        else:
+        if loop is not None and not loop.is_closed():  # None: no decision yet, nothing booked
             loop.call_soon_threadsafe(call, request_id)
 
     def _follow(self, replicas: list[RunningReplica]) -> None:

@@ -156,11 +156,17 @@ class PrefixAwareRequestRouter(link.ServeLinked, RequestRouter):
         rid = replica_id.unique_id
         self.stats.record_routed(rid)
         request = self.routing_request(pending_request)
-        decision = self._decisions.pop(request.request_id, None) if request else None
+        if request is not None and self.book(request.request_id, rid):
+            self._requests[pending_request.metadata.internal_request_id] = request.request_id
+
+    def book(self, request_id: str, replica_id: str) -> bool:
+        """Book the request's decision on ``replica_id``, where it went (False: no decision
+        of this router's is waiting for it)."""
+        decision = self._decisions.pop(request_id, None)
         if decision is None:
-            return
-        self._requests[pending_request.metadata.internal_request_id] = request.request_id
-        self.channel.booked(self.core.routed(decision, rid))
+            return False
+        self.channel.booked(self.core.routed(decision, replica_id))
+        return True
 
     def prefill_done(self, request_id: str) -> None:
         """The ingress saw the request's first token: its prompt no longer loads the replica."""
@@ -206,9 +212,12 @@ class PrefixAwareRequestRouter(link.ServeLinked, RequestRouter):
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)
         request_id = self._requests.pop(internal_request_id, None)
-        if request_id is None:
-            return
-        booking = self.core.release(request_id, replica_id.unique_id)
+        if request_id is not None:
+            self.release(request_id, replica_id.unique_id)
+
+    def release(self, request_id: str, replica_id: str | None = None) -> None:
+        """The request is over (on ``replica_id``, if given): its booking goes."""
+        booking = self.core.release(request_id, replica_id)
         if booking is not None:
             self.channel.released(booking)
 
