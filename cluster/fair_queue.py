@@ -111,9 +111,12 @@ class FairQueue:
         cap = self.capacity()
         return cap is None or self.in_flight + count <= cap or self.in_flight == 0
 
-    async def enter(self, tenant: Tenant, cost: float, count: int, deadline_s: float) -> Ticket:
+    async def enter(
+        self, tenant: Tenant, cost: float, count: int, deadline_s: float | None
+    ) -> Ticket:
         """Wait until the request may go to the engines; refuse it (503) when the queue is
-        full, or when it cannot start within ``deadline_s`` seconds."""
+        full, or when it cannot start within ``deadline_s`` seconds (None: it waits as long
+        as it takes)."""
         start = self.clock()
         tag = max(self.virtual, self._finish.get(tenant.name, 0.0))
         key = (-tenant.priority, tag, next(self._arrivals))
@@ -122,8 +125,8 @@ class FairQueue:
             return Ticket(tenant, cost, count, 0.0)
         if 0 <= self.max_waiting <= len(self._heap):
             raise queue_full(len(self._heap))
-        expected = self.expected_wait_s(key, cost)
-        if expected is not None and expected > deadline_s:
+        expected = None if deadline_s is None else self.expected_wait_s(key, cost)
+        if expected is not None and deadline_s is not None and expected > deadline_s:
             raise wait_too_long(expected, deadline_s)
         self._finish[tenant.name] = tag + cost / tenant.weight
         waiter = _Waiter(key, tenant, cost, count, asyncio.get_running_loop().create_future())
@@ -133,7 +136,7 @@ class FairQueue:
             await asyncio.wait_for(asyncio.shield(waiter.future), deadline_s)
         except TimeoutError:
             if self._withdraw(waiter):  # still waiting: never admitted, never charged
-                raise wait_too_long(self.clock() - start, deadline_s) from None
+                raise wait_too_long(self.clock() - start, deadline_s or 0.0) from None
             # released in the instant its deadline came: it holds a slot, so it goes on
         except asyncio.CancelledError:  # the client went away
             if not self._withdraw(waiter):  # released already: give its slot back

@@ -1,8 +1,17 @@
 """The door between a request and the engines: its tenant's quotas (``cluster.quotas``: 429
-when over), then the admission cap (503 at once when the cluster is full:
-``cluster.admission``) or, with ``fair_queue.enabled``, the fair queue
-(``cluster.fair_queue``: held at the ingress, released by priority and by each tenant's
-weighted share of what its requests cost after the cache).
+when over), then the queue at the ingress (``cluster.fair_queue``), which lets a request on
+to the engines only while they have a free slot.
+
+Without ``fair_queue.enabled`` that queue is first come, first served, behind the admission
+cap (503 at once when the cluster is full: ``cluster.admission``). With it, requests are
+released by priority and by each tenant's weighted share of what they cost after the cache,
+and one that cannot start within its deadline is refused.
+
+Why requests wait here and not in Serve's queue: Serve's router retries every request it
+holds (choose, probe the queue lengths, send, be rejected by the full replica, back off), so
+a backlog of a few dozen requests costs the ingress half a core (measured on vLLM engines:
+docs/results.md) that the engines on the same machine then lack. Held here, a request costs
+nothing until a slot frees, and Serve routes it at once.
 
 A request's estimated cost is its prompt tokens that no replica holds, by the router's
 mirror of the index (all of them when the mirror cannot tell), plus the output it may ask
@@ -32,6 +41,7 @@ from replica.messages import EngineRequest
 from router.serve import link
 
 TIMEOUT_HEADER = "x-request-timeout"  # seconds a client will wait (shortens the deadline)
+ARRIVAL = Tenant("*")  # without the fair queue every request queues as this one: in order
 
 
 def estimated_cost(request: EngineRequest) -> int:
@@ -61,10 +71,11 @@ class Admitted:
 class Gate:
     def __init__(self, args: ClusterArgs, admission: Admission) -> None:
         self.args, self.admission = args, admission
+        self.fair = args.fair_queue.enabled
         self.tenants = Tenants(args.api_keys)
-        self.queue: FairQueue | None = None
-        if args.fair_queue.enabled:
-            self.queue = FairQueue(admission.engine_limit, args.max_queued_requests)
+        # without the fair queue the admission cap refuses, and this queue only holds
+        waiting = args.max_queued_requests if self.fair else -1
+        self.queue = FairQueue(admission.engine_limit, waiting)
         limited = any(r.limits.model_dump(exclude_none=True) for r in self.tenants.records.values())
         self.quotas = Quotas(args.index.url, f"ps:{args.index.cluster}") if limited else None
         self._settling: set[asyncio.Task[None]] = set()
@@ -74,12 +85,10 @@ class Gate:
         return self.tenants.of(bearer_key(http.headers.get("authorization", "")), http.headers)
 
     async def enter(self, http: Request, requests: list[EngineRequest]) -> Admitted:
-        """Take the tenant's quotas, then wait (fair queue) or not (cap) for the engines."""
+        """Take the tenant's quotas, then wait for a slot in the engines (in its turn)."""
         count, tenant = len(requests), self.tenant(http)
-        if self.queue is None and self.quotas is None:  # the cap alone: nothing is charged
-            self.admission.enter(count)
-            return Admitted(lambda _streams: self.admission.leave(count))
-        cost = sum(estimated_cost(r) for r in requests)
+        charged = self.fair or self.quotas is not None  # else the estimate is never read
+        cost = sum(estimated_cost(r) for r in requests) if charged else 0
         taken = await self._take(tenant, cost)
         try:
             ticket = await self._wait(tenant, cost, count, http)
@@ -99,16 +108,22 @@ class Gate:
             api_metrics.TENANT_REJECTED.labels(tenant.name, exc.type).inc()
             raise
 
-    async def _wait(self, tenant: Tenant, cost: int, count: int, http: Request) -> Ticket | None:
-        if self.queue is None:
-            self.admission.enter(count)
-            return None
+    async def _wait(self, tenant: Tenant, cost: int, count: int, http: Request) -> Ticket:
+        if not self.fair:
+            self.admission.enter(count)  # 503 beyond the cluster's cap
         queued = api_metrics.TENANT_QUEUED.labels(tenant.name)
         queued.inc()
         try:
-            ticket = await self.queue.enter(tenant, cost, count, self._deadline(http))
+            if self.fair:
+                ticket = await self.queue.enter(tenant, cost, count, self._deadline(http))
+            else:  # in arrival order, as long as it takes
+                ticket = await self.queue.enter(ARRIVAL, 0, count, None)
         except APIError as exc:
             api_metrics.TENANT_REJECTED.labels(tenant.name, exc.code or "refused").inc()
+            raise
+        except BaseException:
+            if not self.fair:
+                self.admission.leave(count)
             raise
         finally:
             queued.dec()
@@ -117,17 +132,18 @@ class Gate:
 
     def _leave(
         self,
-        ticket: Ticket | None,
+        ticket: Ticket,
         taken: Taken | None,
         requests: list[EngineRequest],
         streams: list[EngineStream],
     ) -> None:
         cost = actual_cost(requests, streams)
-        if ticket is None:
-            self.admission.leave(len(requests))
-        else:
-            self.queue.leave(ticket, cost)  # type: ignore[union-attr]
+        if self.fair:
+            self.queue.leave(ticket, cost)
             api_metrics.TENANT_CHARGED.labels(ticket.tenant.name).inc(cost)
+        else:
+            self.queue.leave(ticket, 0)
+            self.admission.leave(len(requests))
         if taken is not None:
             self._spawn(self.quotas.settle(taken, cost))  # type: ignore[union-attr]
 
