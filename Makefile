@@ -192,6 +192,9 @@ bench: install install-vllm
 	    --out results/sim-vs-real-sim
 	$(PY) -m bench faults --out results/faults
 	$(PY) -m bench autoscale --out results/autoscale
+	$(PY) -m bench tenants --model smollm2-135m-instruct --max-ongoing 4 --duration 45 \
+	    --grace 20 --flood 4 --light 0.1 --share 2 --deadline 20 --repeats 2 \
+	    --out results/tenants
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis results

@@ -19,6 +19,7 @@ from bench.experiments import (
     speed,
     stack,
     structured,
+    tenants,
 )
 from bench.experiments.prefix import pull, store
 
@@ -35,6 +36,7 @@ EXPERIMENTS = {
     "routing": (routing, "routing policies compared on the real cluster: JSON, Markdown, PNG"),
     "simulate": (simulate, "the same policies and cache code on simulated replicas"),
     "autoscale": (autoscale, "replicas follow a rising and falling load: JSON, Markdown, PNG"),
+    "tenants": (tenants, "a noisy neighbour: FIFO vs the fair queue, cost after cache, priority"),
     "faults": (faults, "fault, overload and soak scenarios with a JSON and Markdown report"),
 }
 

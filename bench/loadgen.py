@@ -86,7 +86,7 @@ async def _drive(
         async def one(req: TraceRequest) -> RequestResult:
             nonlocal done
             await asyncio.sleep(max(0.0, start + req.arrival_s - time.monotonic()))
-            result = await _send(client, model, req)
+            result = await send(client, model, req)
             done += 1
             if on_done is not None:
                 on_done(done, len(trace))
@@ -119,9 +119,16 @@ def _has_text(chunk: dict) -> bool:
     return bool(choices[0].get("text") or (choices[0].get("delta") or {}).get("content"))
 
 
-async def _send(client: httpx.AsyncClient, model: str, req: TraceRequest) -> RequestResult:
+async def send(
+    client: httpx.AsyncClient,
+    model: str,
+    req: TraceRequest,
+    result: RequestResult | None = None,
+) -> RequestResult:
+    """Send ``req`` and time it into ``result`` (a caller that may cancel the send passes
+    its own, and keeps what was measured before the cancel)."""
     path, body = _request(model, req)
-    result = RequestResult(req.request_id, req.group, status=0)
+    result = result or RequestResult(req.request_id, req.group, status=0)
     t0 = time.monotonic()
     try:
         async with client.stream("POST", path, json=body) as resp:

@@ -212,6 +212,27 @@ _WORKLOADS = {
 WORKLOADS = tuple(_WORKLOADS)
 
 
+def tenant_trace(
+    tenant: str, rate: float, duration_s: float, seed: int, cached: bool, max_tokens: int = 24
+) -> list[TraceRequest]:
+    """One tenant's open-loop requests for ``duration_s`` seconds: ``cached``, its own
+    ~1,200-character system prompt and a short question (the prompt is served from cache
+    after the first); else ~1,200 characters of text of its own each (nothing cached)."""
+    rng = random.Random(f"{seed}/{tenant}/{rate}/{cached}")
+    system = _system_prompt(seed, f"tenant-{tenant}", 1200)
+    times = []
+    t = rng.expovariate(rate)
+    while t < duration_s:
+        times.append(t)
+        t += rng.expovariate(rate)
+    trace = []
+    for i, arrival in enumerate(times):
+        question = _text(rng, rng.randint(60, 120))
+        prompt = f"{system}\nUser {i}: {question}?" if cached else _text(rng, 1200)
+        trace.append(TraceRequest(f"{tenant}-{i}", arrival, prompt, max_tokens, tenant))
+    return trace
+
+
 def save_trace(path: str | Path, trace: Iterable[TraceRequest]) -> None:
     with open(path, "w") as f:
         for req in trace:

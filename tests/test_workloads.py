@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from bench.experiments.tenants import censored_percentile
 from bench.workloads import (
     WORKLOADS,
     TraceRequest,
@@ -17,6 +19,7 @@ from bench.workloads import (
     make_trace,
     oracle_hit_rate,
     save_trace,
+    tenant_trace,
 )
 from kvindex.hashing import BlockHasher
 from replica.checkpoints.tokenizer import ByteTokenizer
@@ -82,3 +85,36 @@ def test_oracle_hit_rate() -> None:
     assert oracle_hit_rate(same, HASHER, BYTES) == pytest.approx(32 / 66)
     assert oracle_hit_rate(make_trace(WorkloadSpec("random", 100)), HASHER, BYTES) == 0.0
     assert oracle_hit_rate(make_trace(WorkloadSpec("chat", 100)), HASHER, BYTES) > 0.8
+
+
+def test_a_tenant_trace_is_cached_after_its_first_request_only_when_asked() -> None:
+    """``tenant_trace``: arrivals inside the duration; cached: one system prompt shared by
+    every request of the tenant (and not by another tenant's); uncached: no two requests
+    share even their first few blocks."""
+    hasher, tokenizer = HASHER, BYTES
+
+    def first_blocks(trace: list[TraceRequest], k: int = 3) -> set[bytes]:
+        """Each request's chain at block ``k`` (cumulative: equal means equal up to it)."""
+        return {hasher.chain(r.token_ids(tokenizer))[k] for r in trace}
+
+    cached = tenant_trace("b", 2.0, 20.0, seed=0, cached=True)
+    other = tenant_trace("a", 2.0, 20.0, seed=0, cached=True)
+    uncached = tenant_trace("a", 2.0, 20.0, seed=0, cached=False)
+    assert all(0 < r.arrival_s < 20.0 for r in cached + uncached)
+    assert 20 <= len(cached) <= 60 and {r.group for r in cached} == {"b"}
+    assert len(first_blocks(cached, 50)) == 1  # ~1,200 shared characters: 75 blocks
+    assert first_blocks(cached) != first_blocks(other)
+    assert oracle_hit_rate(cached, hasher, tokenizer) > 0.7
+    assert len(first_blocks(uncached)) == len(uncached)
+    assert oracle_hit_rate(uncached, hasher, tokenizer) == 0.0
+
+
+def test_a_percentile_beyond_the_cut_off_is_unknown_not_a_number() -> None:
+    """Requests abandoned before their first token are only known to be beyond the cut-off:
+    a percentile that needs one of them is None; one that does not is exact."""
+    inf = math.inf
+    assert censored_percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert censored_percentile([1.0, 2.0, 3.0, inf, inf], 50) == 3.0
+    assert censored_percentile([1.0, 2.0, 3.0, 4.0, inf], 99) is None
+    assert censored_percentile([1.0] * 99 + [inf], 50) == 1.0
+    assert censored_percentile([], 50) is None

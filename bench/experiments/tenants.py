@@ -1,0 +1,212 @@
+"""``tenants``: a noisy neighbour, first come first served against the fair queue (issue 49).
+
+On the real cluster (2 engine replicas, Redis, the ingress, over HTTP with each tenant's API
+key), for each mode (``fifo``: ``fair_queue`` off, requests beyond the engines' slots wait
+at the ingress in arrival order; ``fair``: the fair queue) these phases, one after another
+on one cluster:
+
+* ``b_alone``: tenant B alone at ``--light`` x capacity (its TTFT with nobody else);
+* ``noisy``: the same B trace while tenant A floods at ``--flood`` x capacity;
+* ``cost_share``: A's prompts all uncached, B's all cached, both at ``--share`` x capacity:
+  the fair queue shares what requests cost after the cache, so B gets more requests through
+  than A; what request-count fairness would have given is computed from the measured costs;
+* ``priority`` (fair only): a priority-5 tenant at ``--light`` x capacity while a priority-0
+  tenant floods (``b_alone`` is its alone value: the same request shape).
+
+Capacity is measured first, once, on the first cluster: requests completed per second with
+the engines' slots (replicas x ``--max-ongoing``) always busy with A's cached requests. Each
+phase sends arrivals for ``--duration`` seconds and abandons what is still waiting or
+running ``--grace`` seconds later (the clients disconnect; FIFO's backlog would otherwise
+take minutes to drain): a request abandoned before its first token counts as a TTFT beyond
+the cut-off. Modes alternate ABBA over ``--repeats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.experiments.tenants_report import markdown, summary
+from bench.harness.launcher import ServeCluster, cluster_env
+from bench.harness.private_ray import PrivateRay
+from bench.harness.redis_server import LocalRedis
+from bench.loadgen import RequestResult
+from bench.tenant_load import CUT_OFF, closed_loop, drive_tenants
+from bench.workloads import TraceRequest, fast_engine, tenant_trace
+from cluster.config import ClusterArgs
+from cluster.tenants import APIKeyRecord
+from kvindex.config import IndexConfig
+from replica.config import EngineConfig
+
+KEYS = {"a": "sk-tenant-a", "b": "sk-tenant-b", "lo": "sk-tenant-lo", "hi": "sk-tenant-hi"}
+PRIORITY = {"hi": 5}
+Phase = dict[str, tuple[str, list[TraceRequest]]]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--num-blocks", type=int, default=640, help="KV blocks per replica")
+    parser.add_argument("--max-ongoing", type=int, default=4, help="slots per engine replica")
+    parser.add_argument("--duration", type=float, default=45.0, help="seconds of arrivals")
+    parser.add_argument("--grace", type=float, default=20.0, help="then this long to finish")
+    parser.add_argument("--flood", type=float, default=4.0, help="A's rate, x capacity")
+    parser.add_argument("--light", type=float, default=0.1, help="B's rate, x capacity")
+    parser.add_argument("--share", type=float, default=2.0, help="cost_share: each, x capacity")
+    parser.add_argument("--deadline", type=float, default=20.0, help="fair_queue.deadline_s")
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--calibrate-s", type=float, default=30.0)
+    parser.add_argument("--capacity", type=float, help="requests/s (default: measured)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    out = args.out or Path("results/tenants")
+    out.mkdir(parents=True, exist_ok=True)
+    engine = fast_engine(args.model, num_blocks=args.num_blocks)
+    runs: dict[str, list[dict[str, Any]]] = {"fifo": [], "fair": []}
+    capacity = args.capacity
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(LocalRedis()).url
+        ray = PrivateRay(out / "ray.log", dashboard=False)
+        stack.callback(ray.stop)
+        ray.start(cluster_env())
+        for rep in range(args.repeats):
+            for mode in ("fifo", "fair") if rep % 2 == 0 else ("fair", "fifo"):
+                result, capacity = run_mode(args, mode, capacity, url, ray, engine)
+                runs[mode].append(result)
+    assert capacity is not None
+    payload = {
+        "title": "Tenants: a noisy neighbour, FIFO vs the fair queue (real cluster)",
+        "arguments": {k: str(v) for k, v in vars(args).items()},
+        "capacity_rps": capacity,
+        "runs": runs,
+        "summary": summary(runs, capacity, args),
+        "measured": time.strftime("%F"),
+    }
+    (out / "results.json").write_text(json.dumps(payload, indent=2) + "\n")
+    (out / "results.md").write_text(markdown(payload))
+    return payload
+
+
+def cluster_args(
+    args: argparse.Namespace, mode: str, url: str, engine: EngineConfig
+) -> ClusterArgs:
+    keys = [
+        APIKeyRecord(key=key, tenant=name, priority=PRIORITY.get(name, 0))
+        for name, key in KEYS.items()
+    ]
+    return ClusterArgs(
+        num_replicas=2,
+        engine=engine,
+        max_ongoing_requests=args.max_ongoing,
+        max_queued_requests=-1,  # FIFO holds everything; the fair queue refuses by deadline
+        api_keys=list(keys),
+        fair_queue={"enabled": mode == "fair", "deadline_s": args.deadline},
+        index=IndexConfig(url=url, cluster=f"tenants-{os.getpid()}-{time.monotonic_ns()}"),
+    )
+
+
+def run_mode(
+    args: argparse.Namespace,
+    mode: str,
+    capacity: float | None,
+    url: str,
+    ray: PrivateRay,
+    engine: EngineConfig,
+) -> tuple[dict[str, Any], float]:
+    """One cluster in ``mode``: (calibrate,) then every phase; returns their metrics."""
+    with ServeCluster(cluster_args(args, mode, url, engine), ray=ray) as cluster:
+        model = engine.model_id
+        warm = lambda i: TraceRequest(f"warm-{i}", 0, f"warm up {i}", 2)  # noqa: E731
+        closed_loop(cluster.base_url, model, KEYS["a"], warm, 4, 5)
+        if capacity is None:
+            prompts = tenant_trace("a", 1000.0, 10.0, args.seed + 1, True, args.max_tokens)
+            slots = 2 * args.max_ongoing
+            capacity = closed_loop(
+                cluster.base_url,
+                model,
+                KEYS["a"],
+                lambda i: prompts[i % len(prompts)],
+                slots,
+                args.calibrate_s,
+            )
+        result: dict[str, Any] = {}
+        for name, phase in phases(args, mode, capacity).items():
+            print(f"tenants: {mode} {name} ({capacity:.2f} requests/s capacity)", flush=True)
+            cut_off = args.duration + args.grace
+            per_tenant = drive_tenants(cluster.base_url, model, phase, cut_off)
+            result[name] = {t: tenant_metrics(rs, cut_off) for t, rs in per_tenant.items()}
+            wait_idle(cluster)
+    return result, capacity
+
+
+def phases(args: argparse.Namespace, mode: str, capacity: float) -> dict[str, Phase]:
+    def load(tenant: str, times: float, cached: bool = True) -> tuple[str, list[TraceRequest]]:
+        rate = times * capacity
+        return KEYS[tenant], tenant_trace(
+            tenant, rate, args.duration, args.seed, cached, args.max_tokens
+        )
+
+    out: dict[str, Phase] = {
+        "b_alone": {"b": load("b", args.light)},
+        "noisy": {"a": load("a", args.flood), "b": load("b", args.light)},
+        "cost_share": {"a": load("a", args.share, cached=False), "b": load("b", args.share)},
+    }
+    if mode == "fair":  # priorities act in the fair queue only
+        out["priority"] = {"lo": load("lo", args.flood), "hi": load("hi", args.light)}
+    return out
+
+
+def wait_idle(cluster: ServeCluster, timeout_s: float = 60.0) -> None:
+    """Until the abandoned requests are gone from the engines (the router's bookings)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cluster.stats().get("bookings_in_flight", 0) == 0:
+            return
+        time.sleep(0.5)
+    raise TimeoutError("the cluster did not go idle after the phase's cut-off")
+
+
+def tenant_metrics(results: list[RequestResult], cut_off_s: float) -> dict[str, Any]:
+    """One tenant's phase: what it sent, what was served, refused, abandoned; its TTFT with
+    a request abandoned before its first token counted as beyond the cut-off."""
+    ok = [r for r in results if r.status == 200 and r.error is None]
+    refused = [r for r in results if r.status in (429, 503)]
+    cut = [r for r in results if r.error == CUT_OFF]
+    waited = [r.ttft_s if r.ttft_s is not None else math.inf for r in results if r not in refused]
+    charged = [r.prompt_tokens - r.cached_tokens + r.completion_tokens for r in ok]
+    return {
+        "sent": len(results),
+        "ok": len(ok),
+        "refused": len(refused),
+        "refused_codes": sorted({(r.error or "")[:80] for r in refused})[:3],
+        "cut_off": len(cut),
+        "cut_before_first_token": sum(1 for r in cut if r.ttft_s is None),
+        "failed_other": len(results) - len(ok) - len(refused) - len(cut),
+        "ttft_p50_s": censored_percentile(waited, 50),
+        "ttft_p99_s": censored_percentile(waited, 99),
+        "served_rps": len(ok) / cut_off_s,
+        "charged_tokens": sum(charged),
+        "mean_cost_tokens": sum(charged) / len(charged) if charged else None,
+    }
+
+
+def censored_percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (as ``kvindex.measure.percentile``) when it falls among the
+    measured values; None when it needs one beyond the cut-off (infinite here: only a bound
+    is known, the cut-off)."""
+    data = sorted(values)
+    if not data:
+        return None
+    pos = (len(data) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    if not math.isfinite(data[hi]):
+        return None
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)

@@ -1,0 +1,118 @@
+"""The ``tenants`` experiment's summary (medians over the repeats, with min-max, and the
+issue's ratios) and its Markdown table. A TTFT percentile beyond the cut-off is None in a
+run (only a bound is known) and counts as infinite in a median."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from typing import Any
+
+METRICS = ("ttft_p50_s", "ttft_p99_s", "served_rps", "refused", "cut_off", "mean_cost_tokens")
+
+
+def _values(runs: list[dict[str, Any]], phase: str, tenant: str, key: str) -> list[float]:
+    out = []
+    for run in runs:
+        value = run[phase][tenant][key]
+        out.append(math.inf if value is None else float(value))
+    return out
+
+
+def _stat(values: list[float]) -> dict[str, float | None]:
+    def finite(v: float) -> float | None:
+        return v if math.isfinite(v) else None
+
+    return {
+        "median": finite(statistics.median(values)),
+        "min": finite(min(values)),
+        "max": finite(max(values)),
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def summary(
+    runs: dict[str, list[dict[str, Any]]], capacity: float, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Per mode, phase and tenant the medians; then the ratios the issue sets targets on."""
+    table: dict[str, Any] = {}
+    for mode, mode_runs in runs.items():
+        for phase in mode_runs[0]:
+            for tenant in mode_runs[0][phase]:
+                stats = {k: _stat(_values(mode_runs, phase, tenant, k)) for k in METRICS}
+                table.setdefault(mode, {}).setdefault(phase, {})[tenant] = stats
+    checks: dict[str, Any] = {}
+    for mode, phases in table.items():
+        alone = phases["b_alone"]["b"]["ttft_p99_s"]["median"]
+        noisy = phases["noisy"]
+        share = phases["cost_share"]
+        checks[mode] = {
+            "b_ttft_p99_vs_alone": _ratio(noisy["b"]["ttft_p99_s"]["median"], alone),
+            "b_refused": sum(run["noisy"]["b"]["refused"] for run in runs[mode]),
+            "a_served_vs_rest_of_capacity": _ratio(
+                noisy["a"]["served_rps"]["median"], capacity * (1 - args.light)
+            ),
+            "cost_share_b_over_a_requests": _ratio(
+                share["b"]["served_rps"]["median"], share["a"]["served_rps"]["median"]
+            ),
+            "cost_share_request_fair_rps_each": _request_fair(runs[mode], args),
+        }
+        if "priority" in phases:
+            checks[mode]["hi_ttft_p99_vs_alone"] = _ratio(
+                phases["priority"]["hi"]["ttft_p99_s"]["median"], alone
+            )
+    return {"table": table, "checks": checks}
+
+
+def _request_fair(mode_runs: list[dict[str, Any]], args: argparse.Namespace) -> float | None:
+    """Requests/s each tenant would have had under request-count fairness with both
+    backlogged: the tokens the engines were charged per second, over one A plus one B."""
+    rates = []
+    for run in mode_runs:
+        a, b = run["cost_share"]["a"], run["cost_share"]["b"]
+        if not a["mean_cost_tokens"] or not b["mean_cost_tokens"]:
+            continue
+        tokens_per_s = (a["charged_tokens"] + b["charged_tokens"]) / (args.duration + args.grace)
+        rates.append(tokens_per_s / (a["mean_cost_tokens"] + b["mean_cost_tokens"]))
+    return statistics.median(rates) if rates else None
+
+
+def _fmt(stat: dict[str, float | None], digits: int = 2) -> str:
+    med, lo, hi = stat["median"], stat["min"], stat["max"]
+    if med is None:
+        return "beyond cut-off"
+
+    def n(v: float | None) -> str:
+        return "cut-off" if v is None else f"{v:.{digits}f}"
+
+    return f"{n(med)} ({n(lo)}-{n(hi)})"
+
+
+def markdown(payload: dict[str, Any]) -> str:
+    table = payload["summary"]["table"]
+    lines = [
+        f"# {payload['title']}",
+        "",
+        f"capacity {payload['capacity_rps']:.2f} requests/s; measured {payload['measured']}",
+        "",
+        "| mode | phase | tenant | TTFT p50 s | TTFT p99 s | served req/s | refused | cut off |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for mode, phases in table.items():
+        for phase, tenants in phases.items():
+            for tenant, s in tenants.items():
+                lines.append(
+                    f"| {mode} | {phase} | {tenant} | {_fmt(s['ttft_p50_s'])} | "
+                    f"{_fmt(s['ttft_p99_s'])} | {_fmt(s['served_rps'])} | "
+                    f"{_fmt(s['refused'], 0)} | {_fmt(s['cut_off'], 0)} |"
+                )
+    lines += ["", "Checks (medians):", ""]
+    for mode, checks in payload["summary"]["checks"].items():
+        for key, value in checks.items():
+            shown = "beyond cut-off" if value is None else f"{value:.3g}"
+            lines.append(f"- {mode} {key}: {shown}")
+    return "\n".join(lines) + "\n"
