@@ -168,10 +168,15 @@ def wait_idle(cluster: ServeCluster, timeout_s: float = 60.0) -> None:
     """Until the abandoned requests are gone from the engines (the router's bookings)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if cluster.stats().get("bookings_in_flight", 0) == 0:
+        stats = cluster.stats()
+        if stats.get("bookings_in_flight", 0) == 0:
             return
         time.sleep(0.5)
-    raise TimeoutError("the cluster did not go idle after the phase's cut-off")
+    replicas = {r: (s.get("num_running"), s.get("in_flight")) for r, s in stats["replicas"].items()}
+    raise TimeoutError(
+        f"the cluster did not go idle after the phase's cut-off: {stats['bookings_in_flight']} "
+        f"bookings, replicas (running, in flight) {replicas}"
+    )
 
 
 def tenant_metrics(results: list[RequestResult], cut_off_s: float) -> dict[str, Any]:
