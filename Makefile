@@ -91,6 +91,10 @@ bench: install install-vllm
 	    --policies prefill_cost,ray_llm:ours,ray_llm:kv,ray_llm:prefix,ray_llm:pow2 \
 	    --workload multi_tenant --tenants 8 --zipf 2.0 --requests 160 --rates 5 \
 	    --out results/routing-vllm-raylm-hot_tenant
+	$(PY) -m bench routing --backend vllm --num-blocks 320 --repeats 2 \
+	    --policies prefill_cost,ray_llm:ours,ray_llm:kv,ray_llm:prefix,ray_llm:pow2 \
+	    --workload multi_turn --conversations 12 --requests 120 --rates 1.5 \
+	    --out results/routing-vllm-raylm-multi_turn
 	$(PY) -m bench stack --stacks ours-vllm,ray-llm:kv --repeats 3 --prompts 120 \
 	    --prefixes 6 --prefix-len 512 --suffix-len 64 --output-len 64 --rate 4 \
 	    --concurrency 8 --seed 0 --out results/stack-vllm.json
