@@ -253,3 +253,40 @@ def test_a_decision_that_raises_sends_the_request_to_any_replica(fresh_redis) ->
     assert ranked == [candidates]
     assert routing_stats.ROUTING_ERRORS._value.get() == before + 1
     assert router.stats.snapshot({})["routing_errors"] == 1
+
+
+def test_a_request_reported_completed_before_routed_leaves_no_booking(fresh_redis) -> None:
+    """Serve reports a completion from another thread and a routing from the routing task:
+    a request cancelled as its replica accepted it can be reported completed first. It
+    must leave no booking behind (one that stayed would load its replica until the
+    booking's TTL); in the usual order the booking is made, then released."""
+    index = IndexConfig(url=fresh_redis.url, cluster="early-done", mirror=False)
+    router = Unserved.__new__(Unserved)
+    router.initialize_state(
+        routing={"policy": "prefill_cost"}, model_id=MODEL, index=index.model_dump()
+    )
+    candidates = [FakeReplica(FakeId(rid)) for rid in REPLICAS]
+
+    async def route(n: int, completed_first: bool) -> None:
+        route, _ = requests()[n]
+        pending = SimpleNamespace(
+            args=[SimpleNamespace(route=route)],
+            metadata=SimpleNamespace(internal_request_id=f"internal-{n}"),
+        )
+        first = (await router.choose_replicas(candidates, pending))[0][0].replica_id  # type: ignore[arg-type]
+        if completed_first:
+            router.on_request_completed(first, f"internal-{n}")  # type: ignore[arg-type]
+            router.on_request_routed(pending, first, None)  # type: ignore[arg-type]
+        else:
+            router.on_request_routed(pending, first, None)  # type: ignore[arg-type]
+            assert len(router.core.bookings) == 1
+            router.on_request_completed(first, f"internal-{n}")  # type: ignore[arg-type]
+        assert len(router.core.bookings) == 0 and not router._decisions
+        await asyncio.gather(*router.channel.tasks)
+
+    async def drive() -> None:
+        await route(0, completed_first=False)
+        await route(1, completed_first=True)
+        await route(2, completed_first=False)  # the early record was for another request
+
+    asyncio.run(drive())

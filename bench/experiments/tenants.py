@@ -143,7 +143,7 @@ def run_mode(
             cut_off = args.duration + args.grace
             per_tenant = drive_tenants(cluster.base_url, model, phase, cut_off)
             result[name] = {t: tenant_metrics(rs, cut_off) for t, rs in per_tenant.items()}
-            wait_idle(cluster)
+            result[name]["_after"] = wait_idle(cluster)
     return result, capacity
 
 
@@ -164,19 +164,20 @@ def phases(args: argparse.Namespace, mode: str, capacity: float) -> dict[str, Ph
     return out
 
 
-def wait_idle(cluster: ServeCluster, timeout_s: float = 60.0) -> None:
-    """Until the abandoned requests are gone from the engines (the router's bookings)."""
+def wait_idle(cluster: ServeCluster, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Until the abandoned requests are gone from the engines (the router's bookings);
+    what was still busy at ``timeout_s`` is returned (and reported), not hidden."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while True:
         stats = cluster.stats()
-        if stats.get("bookings_in_flight", 0) == 0:
-            return
+        left = stats.get("bookings_in_flight", 0)
+        if left == 0 or time.monotonic() > deadline:
+            break
         time.sleep(0.5)
     replicas = {r: (s.get("num_running"), s.get("in_flight")) for r, s in stats["replicas"].items()}
-    raise TimeoutError(
-        f"the cluster did not go idle after the phase's cut-off: {stats['bookings_in_flight']} "
-        f"bookings, replicas (running, in flight) {replicas}"
-    )
+    if left:
+        print(f"tenants: {left} bookings left after the cut-off; replicas {replicas}", flush=True)
+    return {"bookings_left": left, "replicas_running": replicas}
 
 
 def tenant_metrics(results: list[RequestResult], cut_off_s: float) -> dict[str, Any]:

@@ -42,7 +42,7 @@ def summary(
     table: dict[str, Any] = {}
     for mode, mode_runs in runs.items():
         for phase in mode_runs[0]:
-            for tenant in mode_runs[0][phase]:
+            for tenant in (t for t in mode_runs[0][phase] if not t.startswith("_")):
                 stats = {k: _stat(_values(mode_runs, phase, tenant, k)) for k in METRICS}
                 table.setdefault(mode, {}).setdefault(phase, {})[tenant] = stats
     checks: dict[str, Any] = {}
@@ -60,6 +60,11 @@ def summary(
                 share["b"]["served_rps"]["median"], share["a"]["served_rps"]["median"]
             ),
             "cost_share_request_fair_rps_each": _request_fair(runs[mode], args),
+            "bookings_left_after_cut_offs": sum(
+                phase.get("_after", {}).get("bookings_left", 0)
+                for run in runs[mode]
+                for phase in run.values()
+            ),
         }
         if "priority" in phases:
             checks[mode]["hi_ttft_p99_vs_alone"] = _ratio(

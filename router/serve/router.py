@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import asdict
 from typing import Any
 
@@ -44,6 +45,11 @@ from router.recent_routes import RecentRoutes
 from router.serve import link
 from router.serve.queue_lengths import QueueLengths
 from router.serve.ranking import Ranked, pull_target, routing_request
+
+# Serve ids of requests whose completion came before their routing report, kept this long
+# (and at most this many): see ``on_request_completed``
+EARLY_DONE_S = 30.0
+EARLY_DONE_MAX = 4096
 
 log = logging.getLogger("ray.serve")
 
@@ -82,6 +88,9 @@ class PrefixAwareRequestRouter(link.ServeLinked, RequestRouter):
         self._candidate_ids: list[str] = []
         self._decisions: dict[str, Decision] = {}  # request -> its decision, until routed
         self._requests: dict[str, str] = {}  # Serve's internal request id -> ours
+        # (Serve's id, replica) -> when Serve reported it completed before it reported it
+        # routed (``on_request_completed``)
+        self._done_early: OrderedDict[tuple[str, str], float] = OrderedDict()
         self.link()
 
     async def rank_candidates(
@@ -156,8 +165,14 @@ class PrefixAwareRequestRouter(link.ServeLinked, RequestRouter):
         rid = replica_id.unique_id
         self.stats.record_routed(rid)
         request = self.routing_request(pending_request)
-        if request is not None and self.book(request.request_id, rid):
-            self._requests[pending_request.metadata.internal_request_id] = request.request_id
+        if request is None:
+            return
+        internal = pending_request.metadata.internal_request_id
+        if self._done_early.pop((internal, rid), None) is not None:  # over already
+            self._decisions.pop(request.request_id, None)
+            return
+        if self.book(request.request_id, rid):
+            self._requests[internal] = request.request_id
 
     def book(self, request_id: str, replica_id: str) -> bool:
         """Book the request's decision on ``replica_id``, where it went (False: no decision
@@ -210,10 +225,26 @@ class PrefixAwareRequestRouter(link.ServeLinked, RequestRouter):
         }
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """Release the request's booking. Serve reports a completion from the result's done
+        callback, scheduled onto this loop from another thread, and a routing from the
+        routing task once the replica accepted: a request cancelled as it was accepted (a
+        client that went away) can be reported completed first. That completion is kept
+        for ``EARLY_DONE_S``, and the routing report that follows books nothing (booked,
+        it would hold the replica's load until ``booking_ttl_s``). A rejected attempt is
+        reported completed too; if its retry is accepted by the same replica within that
+        time, that one request goes unbooked, the lesser error."""
         super().on_request_completed(replica_id, internal_request_id)
         request_id = self._requests.pop(internal_request_id, None)
         if request_id is not None:
             self.release(request_id, replica_id.unique_id)
+            return
+        now = time.monotonic()
+        early = self._done_early
+        early[(internal_request_id, replica_id.unique_id)] = now
+        while early and (
+            len(early) > EARLY_DONE_MAX or next(iter(early.values())) < now - EARLY_DONE_S
+        ):
+            early.popitem(last=False)
 
     def release(self, request_id: str, replica_id: str | None = None) -> None:
         """The request is over (on ``replica_id``, if given): its booking goes."""
