@@ -120,4 +120,7 @@ def test_ray_serve_llm_with_our_router_sends_every_repeat_to_its_holder(tmp_path
     assert hits == len(prompts) * BLOCKS * BLOCK  # every repeat found all of its blocks
     per_replica = Counter(next(iter(h)) for h in held)
     # six equal new prompts at once: each booked where it went, the next one sees that load
-    assert sorted(per_replica.values()) == [3, 3], per_replica
+    # (unbooked, all six went to one replica). Not always 3/3: a prompt whose first token
+    # was reported before a later one was ranked weighs only its decode there (a CI run
+    # on a loaded host split them 4/2), so the check is that neither replica took five
+    assert len(per_replica) == 2 and max(per_replica.values()) <= 4, per_replica
