@@ -78,35 +78,27 @@ def closed_loop(
     """Requests completed per second with ``concurrency`` always in flight (``request(i)``
     makes the i-th), over ``duration_s`` seconds; a request still running then is not
     counted."""
-    return asyncio.run(_closed_loop(base_url, model, key, request, concurrency, duration_s))
-
-
-async def _closed_loop(
-    base_url: str,
-    model: str,
-    key: str,
-    request: Callable[[int], TraceRequest],
-    concurrency: int,
-    duration_s: float,
-) -> float:
     sent, done = 0, 0
     end = time.monotonic() + duration_s
-    async with _client(base_url, key, duration_s + 60) as client:
 
-        async def worker() -> None:
-            nonlocal sent, done
-            while time.monotonic() < end:
-                sent += 1
-                req = request(sent)
-                try:
-                    result = await asyncio.wait_for(
-                        send(client, model, req), max(end - time.monotonic(), 0.001)
-                    )
-                except TimeoutError:
-                    return
-                if result.status != 200 or result.error is not None:
-                    raise RuntimeError(f"calibration request failed: {result.error}")
-                done += 1
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal sent, done
+        while time.monotonic() < end:
+            sent += 1
+            req = request(sent)
+            try:
+                result = await asyncio.wait_for(
+                    send(client, model, req), max(end - time.monotonic(), 0.001)
+                )
+            except TimeoutError:
+                return
+            if result.status != 200 or result.error is not None:
+                raise RuntimeError(f"calibration request failed: {result.error}")
+            done += 1
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    async def go() -> None:
+        async with _client(base_url, key, duration_s + 60) as client:
+            await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+
+    asyncio.run(go())
     return done / duration_s

@@ -42,6 +42,7 @@ from bench.workloads import TraceRequest, fast_engine, tenant_trace
 from cluster.config import ClusterArgs
 from cluster.tenants import APIKeyRecord
 from kvindex.config import IndexConfig
+from kvindex.measure import percentile
 from replica.config import EngineConfig
 
 KEYS = {"a": "sk-tenant-a", "b": "sk-tenant-b", "lo": "sk-tenant-lo", "hi": "sk-tenant-hi"}
@@ -186,7 +187,9 @@ def tenant_metrics(results: list[RequestResult], cut_off_s: float) -> dict[str, 
     ok = [r for r in results if r.status == 200 and r.error is None]
     refused = [r for r in results if r.status in (429, 503)]
     cut = [r for r in results if r.error == CUT_OFF]
-    waited = [r.ttft_s if r.ttft_s is not None else math.inf for r in results if r not in refused]
+    waited = [  # a refused request never waited for a token
+        math.inf if r.ttft_s is None else r.ttft_s for r in results if r.status not in (429, 503)
+    ]
     charged = [r.prompt_tokens - r.cached_tokens + r.completion_tokens for r in ok]
     return {
         "sent": len(results),
@@ -205,14 +208,9 @@ def tenant_metrics(results: list[RequestResult], cut_off_s: float) -> dict[str, 
 
 
 def censored_percentile(values: list[float], q: float) -> float | None:
-    """The ``q``-th percentile (as ``kvindex.measure.percentile``) when it falls among the
-    measured values; None when it needs one beyond the cut-off (infinite here: only a bound
-    is known, the cut-off)."""
+    """``kvindex.measure.percentile`` when it falls among the measured values; None when it
+    needs one beyond the cut-off (infinite here: only a bound is known, the cut-off)."""
     data = sorted(values)
-    if not data:
+    if not data or not math.isfinite(data[math.ceil((len(data) - 1) * q / 100.0)]):
         return None
-    pos = (len(data) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    if not math.isfinite(data[hi]):
-        return None
-    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+    return percentile(data, q)
