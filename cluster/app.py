@@ -58,7 +58,7 @@ def build_app(args: dict[str, Any]) -> Application:
     replica = VLLMReplica if cluster.engine.backend == "vllm" else EngineReplica
     engine = replica.options(
         **scaling,
-        max_ongoing_requests=cluster.max_ongoing_requests,
+        max_ongoing_requests=cluster.engine_max_ongoing,
         # The ingress's Admission is the one queue cap: Serve's own would count requests
         # still being assigned to a free slot as queued and shed a burst too early.
         max_queued_requests=-1,

@@ -42,15 +42,24 @@ class Autoscaling(BaseModel):
 
 class FairQueueConfig(BaseModel):
     """The ingress's fair queue (``cluster.fair_queue``): with it, the engines take at most
-    their slots (replicas x ``max_ongoing_requests``) and the rest wait at the ingress, up to
+    their slots (replicas x ``max_ongoing_requests``, plus ``express_slots`` lent to a light
+    tenant or a higher priority) and the rest wait at the ingress, up to
     ``max_queued_requests``, released by priority, then by weighted fair share of their cost
-    after the cache; without it they wait in Serve's queue in arrival order."""
+    after the cache; without it they wait at the ingress in arrival order, behind the
+    admission cap."""
 
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = False
     deadline_s: float = Field(
         30.0, gt=0, description="the longest a request waits (x-request-timeout may shorten it)"
+    )
+    express_slots: int = Field(
+        1,
+        ge=0,
+        description="per engine replica, beyond max_ongoing_requests: lent at once to a "
+        "tenant under its share or a higher priority when the slots are full (the engine's "
+        "max_num_seqs must leave room for them)",
     )
 
 
@@ -132,6 +141,13 @@ class ClusterArgs(BaseModel):
                 "the node store hold the native engine's KV blocks only)"
             )
         return self
+
+    @property
+    def engine_max_ongoing(self) -> int:
+        """What Serve lets each engine replica hold: its slots, and with the fair queue its
+        express slots (the ingress keeps the total to the slots and the lent ones)."""
+        express = self.fair_queue.express_slots if self.fair_queue.enabled else 0
+        return self.max_ongoing_requests + express
 
     @property
     def max_engine_replicas(self) -> int:

@@ -15,11 +15,22 @@ the waiting request with the highest priority and, within it, the smallest start
 first. Two saturating tenants of weights 1 and 3 are served 1:3 in charged tokens; a tenant
 that was idle starts at V, with no credit saved up.
 
+Express slots (``express``, a few per engine replica) keep a light tenant and a high
+priority from waiting for a slot to free: when the engines' slots are all taken, the first
+waiter of the highest priority waiting may start at once on an express slot if its priority
+is above the lowest running, or if its tenant has fewer requests running than its weighted
+share of the slots (a tenant that floods is always over its share, so it never gets one).
+The engines batch the extra request (their ``max_num_seqs`` must leave room); the flood's
+next request waits until the total is back under the slots, so the lane lends, it does not
+add, capacity. Measured in docs/results.md (tenants).
+
 A request that cannot start before its deadline is refused at once with 503 and
 ``Retry-After`` (the wait is estimated from the cost queued ahead of it and the tokens the
 engines have been charged for lately); one still waiting at its deadline is refused then.
-Invariants: ``in_flight`` never exceeds the capacity when a request is released (a
-request larger than the capacity goes alone); every admitted ticket is left exactly once.
+Invariants: ``in_flight`` never exceeds the capacity plus the express slots when a request
+is released, and the capacity alone unless the request is express (a request larger than
+the capacity goes alone); a waiter never starts before one of higher priority; every
+admitted ticket is left exactly once.
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ class _Waiter:
     cost: float = field(compare=False)
     count: int = field(compare=False)
     future: asyncio.Future[None] = field(compare=False)
+    express: bool = field(default=False, compare=False)
 
 
 @dataclass
@@ -56,6 +68,7 @@ class Ticket:
     cost: float
     count: int
     waited_s: float
+    express: bool = False  # started on an express slot
     left: bool = False
 
 
@@ -85,22 +98,29 @@ class FairQueue:
     """The ingress's queue in front of the engines (the module docstring).
 
     ``capacity`` says how many requests this ingress may have in the engines now (None: no
-    cap); ``max_waiting`` caps the requests held (-1: no cap; beyond it 503 at once)."""
+    cap); ``max_waiting`` caps the requests held (-1: no cap; beyond it 503 at once);
+    ``express`` how many more it may lend to a light tenant or a higher priority."""
 
     def __init__(
         self,
         capacity: Callable[[], int | None],
         max_waiting: int = -1,
         clock: Callable[[], float] = time.monotonic,
+        express: Callable[[], int] = lambda: 0,
     ) -> None:
         self.capacity, self.max_waiting, self.clock = capacity, max_waiting, clock
+        self.express = express
         self.in_flight = 0
+        self.running: Counter[str] = Counter()  # requests in the engines, per tenant
+        self._priorities: Counter[int] = Counter()  # requests in the engines, per priority
+        self._weights: dict[str, float] = {}
         self.virtual = 0.0  # V: the start tag of the request released last
         self._finish: dict[str, float] = {}  # each tenant's last finish tag
         self._heap: list[_Waiter] = []
         self._arrivals = itertools.count()
         self._drained: deque[tuple[float, float]] = deque()  # (when, tokens) charged lately
         self.charged: Counter[str] = Counter()  # tokens charged per tenant (for tests, stats)
+        self.expressed: Counter[str] = Counter()  # requests started on an express slot
         self.waiting_by_tenant: Counter[str] = Counter()
 
     @property
@@ -118,11 +138,16 @@ class FairQueue:
         full, or when it cannot start within ``deadline_s`` seconds (None: it waits as long
         as it takes)."""
         start = self.clock()
+        self._weights[tenant.name] = tenant.weight
         tag = max(self.virtual, self._finish.get(tenant.name, 0.0))
         key = (-tenant.priority, tag, next(self._arrivals))
         if not self._heap and self._fits(count):
             self._admit(tenant, cost, count, tag)
             return Ticket(tenant, cost, count, 0.0)
+        if self._may_express(tenant, count) and not self._outranked(tenant):
+            self._admit(tenant, cost, count, tag)
+            self.expressed[tenant.name] += 1
+            return Ticket(tenant, cost, count, 0.0, express=True)
         if 0 <= self.max_waiting <= len(self._heap):
             raise queue_full(len(self._heap))
         expected = None if deadline_s is None else self.expected_wait_s(key, cost)
@@ -142,10 +167,10 @@ class FairQueue:
             if not self._withdraw(waiter):  # released already: give its slot back
                 self.leave(Ticket(tenant, cost, count, self.clock() - start), 0.0)
             raise
-        return Ticket(tenant, cost, count, self.clock() - start)
+        return Ticket(tenant, cost, count, self.clock() - start, express=waiter.express)
 
     def _admit(self, tenant: Tenant, cost: float, count: int, tag: float) -> None:
-        self.in_flight += count
+        self._start(tenant, count)
         self.virtual = tag
         self._finish[tenant.name] = max(
             self._finish.get(tenant.name, 0.0), tag + cost / tenant.weight
@@ -170,6 +195,8 @@ class FairQueue:
             raise AssertionError("a ticket left twice")
         ticket.left = True
         self.in_flight -= ticket.count
+        self.running[ticket.tenant.name] -= ticket.count
+        self._priorities[ticket.tenant.priority] -= ticket.count
         cost = ticket.cost if actual_cost is None else actual_cost
         tenant = ticket.tenant
         self._finish[tenant.name] = (
@@ -180,13 +207,60 @@ class FairQueue:
         self._drained.append((now, cost))
         self._release_next()
 
+    def _start(self, tenant: Tenant, count: int) -> None:
+        self.in_flight += count
+        self.running[tenant.name] += count
+        self._priorities[tenant.priority] += count
+
     def _release_next(self) -> None:
-        while self._heap and self._fits(self._heap[0].count):
-            waiter = heapq.heappop(self._heap)
+        while self._heap:
+            if self._fits(self._heap[0].count):
+                waiter = heapq.heappop(self._heap)
+            else:
+                found = self._express_waiter()
+                if found is None:
+                    return
+                waiter = found
+                self._heap.remove(waiter)
+                heapq.heapify(self._heap)
+                waiter.express = True
+                self.expressed[waiter.tenant.name] += 1
             self.waiting_by_tenant[waiter.tenant.name] -= 1
-            self.in_flight += waiter.count
+            self._start(waiter.tenant, waiter.count)
             self.virtual = waiter.key[1]
             waiter.future.set_result(None)
+
+    def _express_waiter(self) -> _Waiter | None:
+        """The first waiter of the highest priority waiting that may take an express slot."""
+        if self.express() <= 0:
+            return None
+        top = self._heap[0].key[0]
+        for waiter in sorted(self._heap):
+            if waiter.key[0] != top:
+                return None
+            if self._may_express(waiter.tenant, waiter.count):
+                return waiter
+        return None
+
+    def _outranked(self, tenant: Tenant) -> bool:
+        """Whether a request of a higher priority than ``tenant``'s is waiting."""
+        return bool(self._heap) and -self._heap[0].key[0] > tenant.priority
+
+    def _may_express(self, tenant: Tenant, count: int) -> bool:
+        """Whether a request of ``tenant`` may start on an express slot now (the module
+        docstring): one is free, and it outranks a running request or its tenant runs less
+        than its weighted share of the slots."""
+        cap, extra = self.capacity(), self.express()
+        if cap is None or extra <= 0 or self.in_flight + count > cap + extra:
+            return False
+        running = [p for p, n in self._priorities.items() if n > 0]
+        if running and tenant.priority > min(running):
+            return True
+        active = {name for name, n in self.running.items() if n > 0}
+        active |= {name for name, n in self.waiting_by_tenant.items() if n > 0}
+        active.add(tenant.name)
+        total = sum(self._weights.get(name, 1.0) for name in active)
+        return self.running[tenant.name] + count <= cap * tenant.weight / total
 
     def drain_rate(self) -> float | None:
         """Tokens charged per second over the last ``RATE_WINDOW_S`` (None: too few)."""

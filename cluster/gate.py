@@ -5,7 +5,8 @@ to the engines only while they have a free slot.
 Without ``fair_queue.enabled`` that queue is first come, first served, behind the admission
 cap (503 at once when the cluster is full: ``cluster.admission``). With it, requests are
 released by priority and by each tenant's weighted share of what they cost after the cache,
-and one that cannot start within its deadline is refused.
+and one that cannot start within its deadline is refused; a light tenant or a higher
+priority may start at once on an express slot (``cluster.fair_queue``).
 
 Why requests wait here and not in Serve's queue: Serve's router retries every request it
 holds (choose, probe the queue lengths, send, be rejected by the full replica, back off), so
@@ -75,7 +76,8 @@ class Gate:
         self.tenants = Tenants(args.api_keys)
         # without the fair queue the admission cap refuses, and this queue only holds
         waiting = args.max_queued_requests if self.fair else -1
-        self.queue = FairQueue(admission.engine_limit, waiting)
+        express = admission.express_limit if self.fair else lambda: 0
+        self.queue = FairQueue(admission.engine_limit, waiting, express=express)
         limited = any(r.limits.model_dump(exclude_none=True) for r in self.tenants.records.values())
         self.quotas = Quotas(args.index.url, f"ps:{args.index.cluster}") if limited else None
         self._settling: set[asyncio.Task[None]] = set()
@@ -128,6 +130,8 @@ class Gate:
         finally:
             queued.dec()
         api_metrics.TENANT_WAIT.labels(tenant.name, str(tenant.priority)).observe(ticket.waited_s)
+        if ticket.express:
+            api_metrics.TENANT_EXPRESS.labels(tenant.name).inc()
         return ticket
 
     def _leave(

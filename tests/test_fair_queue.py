@@ -198,3 +198,91 @@ def test_api_keys_take_plain_keys_and_records_and_refuse_a_key_twice() -> None:
         ClusterArgs.model_validate({"api_keys": ["k1", {"key": "k1", "tenant": "t"}]})
     with pytest.raises(ValueError):
         ClusterArgs.model_validate({"api_keys": [{"key": "k", "tenant": "t", "priority": 10}]})
+
+
+async def _flood(queue: FairQueue, tenant: Tenant, count: int) -> list[asyncio.Task[Ticket]]:
+    tasks = [asyncio.create_task(queue.enter(tenant, 100, 1, 60)) for _ in range(count)]
+    await _settle()
+    return tasks
+
+
+async def _settle() -> None:
+    """Let every released waiter's task run to its end (a few turns of the loop)."""
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+async def _finish(queue: FairQueue, tasks: list[asyncio.Task[Ticket]]) -> None:
+    """Leave every admitted ticket, one at a time, until all have run."""
+    while tasks:
+        done, _ = await asyncio.wait(tasks, timeout=1, return_when=asyncio.FIRST_COMPLETED)
+        assert done, "nothing admitted while requests wait"
+        for task in done:
+            tasks.remove(task)
+            queue.leave(task.result())
+    assert queue.in_flight == 0 and queue.waiting == 0
+
+
+def test_a_light_tenant_starts_at_once_on_an_express_slot_and_a_flood_never_does() -> None:
+    """Slots 4, express 1: the flood holds the 4 slots and waits for more (it is over its
+    share: never lent one); a light tenant, under its share, starts at once; the flood's
+    next request waits until the total is back under the slots."""
+
+    async def run() -> None:
+        queue = FairQueue(lambda: 4, express=lambda: 1)
+        flood = await _flood(queue, Tenant("a"), 10)
+        assert queue.in_flight == 4 and queue.waiting == 6 and not queue.expressed
+        light = await queue.enter(Tenant("b"), 100, 1, 60)
+        assert light.express and queue.in_flight == 5 and queue.expressed == {"b": 1}
+        with pytest.raises(APIError):  # the lane is taken: b waits like anyone else
+            await queue.enter(Tenant("b"), 100, 1, 0.01)
+        queue.leave(next(t for t in flood if t.done()).result())  # 5 -> 4: nobody starts
+        assert queue.in_flight == 4 and queue.waiting == 6
+        queue.leave(light)  # 4 -> 3: the flood's next
+        assert queue.in_flight == 4 and queue.waiting == 5
+        await _finish(queue, [t for t in flood if not t.done() or not t.result().left])
+        assert queue.expressed == {"b": 1}
+
+    asyncio.run(run())
+
+
+def test_a_higher_priority_starts_on_an_express_slot_and_never_jumps_a_higher_waiter() -> None:
+    async def run() -> None:
+        queue = FairQueue(lambda: 2, express=lambda: 1)
+        low = await _flood(queue, Tenant("batch", priority=0), 4)
+        urgent = await queue.enter(Tenant("ops", priority=5), 10, 1, 60)
+        assert urgent.express and queue.in_flight == 3
+        # the lane is taken: the next urgent one waits, and leaves the queue first
+        second = asyncio.create_task(queue.enter(Tenant("ops", priority=5), 10, 1, 60))
+        await _settle()
+        assert not second.done()
+        # a light tenant at priority 0 may not start ahead of the waiting priority 5
+        queue.leave(urgent)  # 3 -> 2: the lane is free, but ops 5 waits first in line
+        await _settle()
+        assert second.done() and second.result().express
+        light = asyncio.create_task(queue.enter(Tenant("chat", priority=0), 10, 1, 60))
+        await _settle()
+        assert not light.done()  # the lane is taken again: chat waits its turn
+        queue.leave(second.result())
+        await _settle()
+        assert light.done() and light.result().express  # under its share: lent the lane
+        queue.leave(light.result())
+        await _finish(queue, low)
+
+    asyncio.run(run())
+
+
+def test_an_express_lane_is_never_lent_below_a_higher_priority_waiting() -> None:
+    """Every running request is priority 5 and a priority-5 request waits (its tenant over
+    its share, so not lent the lane): a priority-0 tenant, however light, waits behind it."""
+
+    async def run() -> None:
+        queue = FairQueue(lambda: 2, express=lambda: 1)
+        ops = await _flood(queue, Tenant("ops", priority=5), 3)
+        assert queue.in_flight == 2 and queue.waiting == 1
+        light = asyncio.create_task(queue.enter(Tenant("chat", priority=0), 10, 1, 60))
+        await _settle()
+        assert not light.done() and queue.in_flight == 2 and not queue.expressed
+        await _finish(queue, ops + [light])
+
+    asyncio.run(run())

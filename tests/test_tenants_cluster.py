@@ -5,7 +5,9 @@ keys of three tenants at different priorities, driven by the ``openai`` SDK.
 Requests submitted together reach the ingress in no exact order and run for tens of
 milliseconds each, so the checks ask for what only a priority queue gives (a request sent
 after six others finishes among the first three), not for an exact sequence; without the
-fair queue (Serve's queue, first come first served) it would finish last.
+fair queue (arrival order) it would finish last. The cluster lends one express slot
+(``fair_queue.express_slots``, the default): the chat request, above the batch requests'
+priority, starts on it at once; the batch tenant, over its share, is never lent it.
 """
 
 from __future__ import annotations
@@ -139,4 +141,6 @@ def test_metrics_count_each_tenants_tokens_and_refusals(cluster: ServeCluster) -
         'prefix_serve_tenant_rejected_requests_total{reason="queue_timeout",tenant="batch"}' in text
     )
     assert 'prefix_serve_tenant_queue_wait_seconds_count{priority="5",tenant="chat"}' in text
+    assert 'prefix_serve_tenant_express_requests_total{tenant="chat"} 1.0' in text
+    assert 'prefix_serve_tenant_express_requests_total{tenant="batch"}' not in text
     assert 'prefix_serve_tenant_rejected_requests_total{reason="requests",tenant="metered"}' in text

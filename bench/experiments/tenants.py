@@ -2,16 +2,17 @@
 
 On the real cluster (2 engine replicas, Redis, the ingress, over HTTP with each tenant's API
 key), for each mode (``fifo``: ``fair_queue`` off, requests beyond the engines' slots wait
-at the ingress in arrival order; ``fair``: the fair queue) these phases, one after another
-on one cluster:
+at the ingress in arrival order; ``fair``: the fair queue without express slots;
+``express``: the fair queue with ``--express-slots`` per replica lent to a light tenant or a
+higher priority) these phases, one after another on one cluster:
 
 * ``b_alone``: tenant B alone at ``--light`` x capacity (its TTFT with nobody else);
 * ``noisy``: the same B trace while tenant A floods at ``--flood`` x capacity;
 * ``cost_share``: A's prompts all uncached, B's all cached, both at ``--share`` x capacity:
   the fair queue shares what requests cost after the cache, so B gets more requests through
   than A; what request-count fairness would have given is computed from the measured costs;
-* ``priority`` (fair only): a priority-5 tenant at ``--light`` x capacity while a priority-0
-  tenant floods (``b_alone`` is its alone value: the same request shape).
+* ``priority`` (the fair queue only): a priority-5 tenant at ``--light`` x capacity while a
+  priority-0 tenant floods (``b_alone`` is its alone value: the same request shape).
 
 Capacity is measured first, once, on the first cluster: requests completed per second with
 the engines' slots (replicas x ``--max-ongoing``) always busy with A's cached requests. Each
@@ -37,6 +38,7 @@ from bench.harness.launcher import ServeCluster, cluster_env
 from bench.harness.private_ray import PrivateRay
 from bench.harness.redis_server import LocalRedis
 from bench.loadgen import RequestResult
+from bench.peers.host import provenance
 from bench.tenant_load import CUT_OFF, closed_loop, drive_tenants
 from bench.workloads import TraceRequest, fast_engine, tenant_trace
 from cluster.config import ClusterArgs
@@ -47,6 +49,7 @@ from replica.config import EngineConfig
 
 KEYS = {"a": "sk-tenant-a", "b": "sk-tenant-b", "lo": "sk-tenant-lo", "hi": "sk-tenant-hi"}
 PRIORITY = {"hi": 5}
+MODES = ("fifo", "fair", "express")
 Phase = dict[str, tuple[str, list[TraceRequest]]]
 
 
@@ -63,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--calibrate-s", type=float, default=30.0)
     parser.add_argument("--capacity", type=float, help="requests/s (default: measured)")
+    parser.add_argument("--express-slots", type=int, default=1, help="per replica, express")
+    parser.add_argument("--modes", default="fifo,fair,express", help="comma-separated")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
 
@@ -71,7 +76,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = args.out or Path("results/tenants")
     out.mkdir(parents=True, exist_ok=True)
     engine = fast_engine(args.model, num_blocks=args.num_blocks)
-    runs: dict[str, list[dict[str, Any]]] = {"fifo": [], "fair": []}
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - set(MODES):
+        raise SystemExit(f"--modes: choose among {', '.join(MODES)}")
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     capacity = args.capacity
     with contextlib.ExitStack() as stack:
         url = stack.enter_context(LocalRedis()).url
@@ -79,12 +87,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stack.callback(ray.stop)
         ray.start(cluster_env())
         for rep in range(args.repeats):
-            for mode in ("fifo", "fair") if rep % 2 == 0 else ("fair", "fifo"):
+            for mode in modes if rep % 2 == 0 else modes[::-1]:  # ABBA
                 result, capacity = run_mode(args, mode, capacity, url, ray, engine)
                 runs[mode].append(result)
     assert capacity is not None
     payload = {
         "title": "Tenants: a noisy neighbour, FIFO vs the fair queue (real cluster)",
+        "provenance": provenance(),
         "arguments": {k: str(v) for k, v in vars(args).items()},
         "capacity_rps": capacity,
         "runs": runs,
@@ -109,7 +118,11 @@ def cluster_args(
         max_ongoing_requests=args.max_ongoing,
         max_queued_requests=-1,  # FIFO holds everything; the fair queue refuses by deadline
         api_keys=list(keys),
-        fair_queue={"enabled": mode == "fair", "deadline_s": args.deadline},
+        fair_queue={
+            "enabled": mode != "fifo",
+            "deadline_s": args.deadline,
+            "express_slots": args.express_slots if mode == "express" else 0,
+        },
         index=IndexConfig(url=url, cluster=f"tenants-{os.getpid()}-{time.monotonic_ns()}"),
     )
 
@@ -160,7 +173,7 @@ def phases(args: argparse.Namespace, mode: str, capacity: float) -> dict[str, Ph
         "noisy": {"a": load("a", args.flood), "b": load("b", args.light)},
         "cost_share": {"a": load("a", args.share, cached=False), "b": load("b", args.share)},
     }
-    if mode == "fair":  # priorities act in the fair queue only
+    if mode != "fifo":  # priorities act in the fair queue only
         out["priority"] = {"lo": load("lo", args.flood), "hi": load("hi", args.light)}
     return out
 

@@ -34,6 +34,11 @@ TENANT_REJECTED = Counter(
     "Requests refused at the ingress, by reason (queue_full, queue_timeout)",
     ["tenant", "reason"],
 )
+TENANT_EXPRESS = Counter(
+    "prefix_serve_tenant_express_requests",
+    "Requests started on an express slot (a light tenant or a higher priority, slots full)",
+    ["tenant"],
+)
 TENANT_CHARGED = Counter(
     "prefix_serve_tenant_charged_tokens",
     "Tokens charged to a tenant: prompt tokens not served from cache, and output tokens",
