@@ -15,6 +15,7 @@ from bench.experiments import (
     index,
     routing,
     scheduling,
+    sessions,
     simulate,
     speed,
     stack,
@@ -37,6 +38,7 @@ EXPERIMENTS = {
     "simulate": (simulate, "the same policies and cache code on simulated replicas"),
     "autoscale": (autoscale, "replicas follow a rising and falling load: JSON, Markdown, PNG"),
     "tenants": (tenants, "a noisy neighbour: FIFO vs the fair queue, cost after cache, priority"),
+    "sessions": (sessions, "agent sessions: a session's blocks kept across tool calls or not"),
     "faults": (faults, "fault, overload and soak scenarios with a JSON and Markdown report"),
 }
 

@@ -124,14 +124,17 @@ async def send(
     model: str,
     req: TraceRequest,
     result: RequestResult | None = None,
+    headers: dict[str, str] | None = None,
+    extra: dict[str, object] | None = None,
 ) -> RequestResult:
-    """Send ``req`` and time it into ``result`` (a caller that may cancel the send passes
-    its own, and keeps what was measured before the cancel)."""
+    """Send ``req`` (with ``headers``, and ``extra`` fields in its body) and time it into
+    ``result`` (a caller that may cancel the send passes its own, and keeps what was
+    measured before the cancel)."""
     path, body = _request(model, req)
     result = result or RequestResult(req.request_id, req.group, status=0)
     t0 = time.monotonic()
     try:
-        async with client.stream("POST", path, json=body) as resp:
+        async with client.stream("POST", path, json=body | (extra or {}), headers=headers) as resp:
             result.status = resp.status_code
             result.replica = resp.headers.get("x-replica-id")
             if resp.status_code != 200:

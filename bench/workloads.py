@@ -233,6 +233,43 @@ def tenant_trace(
     return trace
 
 
+@dataclass(frozen=True)
+class AgentTurn:
+    """One turn of an agent session: sent ``wait_s`` after the previous answer (the tool
+    it ran), its prompt the whole session so far."""
+
+    request: TraceRequest
+    wait_s: float
+
+
+def agent_sessions(
+    sessions: int,
+    turns: int,
+    tool_wait_s: tuple[float, float],
+    seed: int,
+    max_tokens: int = 24,
+) -> list[list[AgentTurn]]:
+    """``sessions`` agent conversations of ``turns`` turns: a system prompt of its own
+    (~800 characters: the agent's tools and task), then per turn the model's answer (its text
+    fixed in advance, as the client resends it) and a tool result (~400-800 characters)
+    appended; between turns the tool runs for a uniform ``tool_wait_s`` seconds. The first
+    turns start over the first 10 s."""
+    rng = random.Random(f"agents/{seed}")
+    out = []
+    for s in range(sessions):
+        history = _system_prompt(seed, f"agent-{s}", 800) + f"\nTask: {_text(rng, 120)}."
+        session = []
+        for t in range(turns):
+            prompt = f"{history}\nAssistant:"
+            wait = rng.uniform(0, 10) if t == 0 else rng.uniform(*tool_wait_s)
+            request = TraceRequest(f"agent-{s}-turn-{t}", 0.0, prompt, max_tokens, f"agent-{s}")
+            session.append(AgentTurn(request, wait))
+            answer, tool = _text(rng, 150), _text(rng, rng.randint(400, 800))
+            history = f"{prompt} {answer}.\nTool result: {tool}."
+        out.append(session)
+    return out
+
+
 def save_trace(path: str | Path, trace: Iterable[TraceRequest]) -> None:
     with open(path, "w") as f:
         for req in trace:

@@ -63,6 +63,21 @@ class FairQueueConfig(BaseModel):
     )
 
 
+class SessionsConfig(BaseModel):
+    """Agent sessions (``cluster.sessions``): a request names its session in a header
+    (``x-session-id`` and the ones agent clients send) and may ask its blocks kept for the
+    session's next turn (``cache_retention: {ttl_s}`` or ``x-cache-retention-s``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_retention_s: float = Field(
+        300.0, ge=0, description="the longest a session's blocks are kept (a key may set less)"
+    )
+    default_retention_s: float = Field(
+        0.0, ge=0, description="kept this long for a request with a session id and no hint"
+    )
+
+
 class ClusterArgs(BaseModel):
     """The application builder's arguments (``args:`` of ``deploy/config.yaml``)."""
 
@@ -122,6 +137,10 @@ class ClusterArgs(BaseModel):
     fair_queue: FairQueueConfig = Field(
         default_factory=lambda: FairQueueConfig(),
         description="hold requests at the ingress in per-tenant queues instead of Serve's",
+    )
+    sessions: SessionsConfig = Field(
+        default_factory=lambda: SessionsConfig(),
+        description="agent sessions: retention of a conversation's blocks between turns",
     )
     share_cache_across_keys: bool = Field(
         False, description="with api_keys: let different keys share cached prefixes"

@@ -8,6 +8,7 @@ import uuid
 
 from fastapi import Request
 
+from cluster import sessions
 from cluster.api.errors import APIError
 from cluster.api.models import ChatCompletionRequest, CompletionRequest
 from cluster.api.structured import structured_output
@@ -15,7 +16,7 @@ from cluster.config import ClusterArgs
 from cluster.tenants import Tenants, bearer_key
 from kvindex.hashing import BlockHasher
 from kvindex.records import RoutingRequest
-from replica.messages import EngineRequest
+from replica.messages import EngineRequest, Retention
 from replica.sampling.params import SamplingParams
 
 Body = CompletionRequest | ChatCompletionRequest
@@ -49,10 +50,23 @@ class RequestBuilder:
             self._check_lengths(body, ids, max_tokens)
         salt = self.cache_salt(body, request)
         params = self.sampling_params(body, max_tokens)
-        return [self._engine_request(ids, text, params, salt) for ids, text in prompts]
+        keep = self.retention(body, request) if len(prompts) == 1 else None
+        return [self._engine_request(ids, text, params, salt, keep) for ids, text in prompts]
+
+    def retention(self, body: Body, request: Request) -> Retention | None:
+        """What of the request's blocks to keep for its session (``cluster.sessions``)."""
+        key = bearer_key(request.headers.get("authorization", ""))
+        tenant = self.tenants.of(key or None, request.headers)
+        asked = body.cache_retention.ttl_s if body.cache_retention is not None else None
+        return sessions.retention(self.args.sessions, tenant, request.headers, asked)
 
     def _engine_request(
-        self, ids: list[int], text: str, params: SamplingParams, salt: str | None
+        self,
+        ids: list[int],
+        text: str,
+        params: SamplingParams,
+        salt: str | None,
+        retention: Retention | None,
     ) -> EngineRequest:
         chain = self.hasher.chain(ids, salt)
         request_id = uuid.uuid4().hex
@@ -71,6 +85,7 @@ class RequestBuilder:
             route=route,
             cache_salt=salt,
             prompt=text,
+            retention=retention,
         )
 
     def sampling_params(self, body: Body, max_tokens: int) -> SamplingParams:

@@ -51,6 +51,9 @@ class APIKeyRecord(BaseModel):
         False, description="x-priority may raise the priority, x-tenant name the tenant"
     )
     limits: TenantLimits = Field(default_factory=TenantLimits)
+    max_retention_s: float | None = Field(
+        None, ge=0, description="the longest its sessions' blocks are kept (None: the cluster's)"
+    )
 
 
 def key_tenant_name(key: str) -> str:
@@ -77,6 +80,7 @@ class Tenant:
     priority: int = 0
     weight: float = 1.0
     limits: TenantLimits = field(default_factory=TenantLimits)
+    max_retention_s: float | None = None
 
 
 DEFAULT = Tenant("default")
@@ -105,7 +109,7 @@ class Tenants:
         if record.trust_headers and TENANT_NAME.fullmatch(other):
             # a gateway's user: as configured where the name is, else under the gateway's terms
             name, record = other, self._by_name.get(other, record)
-        return Tenant(name, priority, record.weight, record.limits)
+        return Tenant(name, priority, record.weight, record.limits, record.max_retention_s)
 
 
 def _priority(value: str | None) -> int | None:

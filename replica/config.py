@@ -106,6 +106,14 @@ class EngineConfig(BaseModel):
         description="share of the pool that cached blocks hit since they were computed (or "
         "copied in) may keep against blocks used once (segmented LRU); 0: plain LRU",
     )
+    max_pinned_fraction: float = Field(
+        0.5,
+        ge=0.0,
+        le=0.9,
+        description="share of the pool that sessions' retained blocks may hold (requests with "
+        "a retention hint: README 'Sessions'); beyond it the oldest pins of the tenant "
+        "holding the most go first",
+    )
     seed: int = 0
     dtype: Literal["auto", "float32", "float64", "bfloat16"] = Field(
         "auto", description="auto: bfloat16 where the CPU has native bfloat16, else float32"

@@ -128,6 +128,7 @@ class EngineReplica:
             request.params,
             cache_salt=request.cache_salt,
             output_token_ids=request.output_token_ids,
+            retention=request.retention,
         )
         structured = request.params.structured
         if structured is not None:  # compiled (once per schema) off the engine's thread

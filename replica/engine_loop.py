@@ -13,6 +13,7 @@ rather than hang.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Coroutine
@@ -74,7 +75,7 @@ class EngineLoop:
                 await loop.run_in_executor(self.executor, self._audit)
                 self._wakeup.clear()
                 if not self.engine.has_unfinished_requests():
-                    await self._wakeup.wait()
+                    await self._idle()
                 continue
             try:
                 outputs = await loop.run_in_executor(self.executor, self.engine.step)
@@ -85,6 +86,16 @@ class EngineLoop:
                     queue.put_nowait(exc)
                 return
             self._deliver(outputs)
+
+    async def _idle(self) -> None:
+        """Wait for a request; meanwhile release the sessions' pins as their TTLs pass (an
+        idle engine runs no step that would)."""
+        loop = asyncio.get_running_loop()
+        assert self._wakeup is not None
+        while not self._wakeup.is_set():
+            wait = await loop.run_in_executor(self.executor, self.engine.expire_retention)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), None if wait is None else wait + 0.01)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Every choice streams with its request; a finished one once its spill is done."""

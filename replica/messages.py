@@ -9,6 +9,22 @@ from replica.sampling.params import SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
+class Retention:
+    """Keep a finished request's blocks for its session's next turn (``replica.engine.blocks.
+    retention``): ``session`` names the conversation (qualified by tenant at the ingress, so
+    two tenants' ids never meet), ``ttl_s`` how long (already capped by the tenant's bound;
+    0 releases the session's blocks: its last turn)."""
+
+    session: str
+    tenant: str
+    ttl_s: float
+
+    def __post_init__(self) -> None:
+        if not self.session or self.ttl_s < 0:
+            raise ValueError("a retention needs a session and a TTL of at least 0")
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     """One tokenized request. The ingress hashes the prompt once; the request router reads
     ``route`` (and Ray's own prefix router reads ``prompt``). A request resumed after its
@@ -22,6 +38,7 @@ class EngineRequest:
     cache_salt: str | None = None
     prompt: str = ""
     output_token_ids: list[int] = field(default_factory=list)  # resuming: already delivered
+    retention: Retention | None = None  # keep its blocks for the session's next turn
 
 
 @dataclass(frozen=True)

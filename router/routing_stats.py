@@ -39,6 +39,13 @@ _REPLICA_KEYS = (
     "blocks_free",
     "blocks_cached",
     "blocks_in_use",
+    # sessions' retained blocks (replica.engine.blocks.retention)
+    "blocks_pinned",
+    "sessions_retained",
+    "retention_pinned",
+    "retention_renewed",
+    "retention_expired",
+    "retention_released_for_room",
     "num_running",
     "num_waiting",
     "preemptions",

@@ -13,7 +13,8 @@ priority, starts on it at once; the batch tenant, over its share, is never lent 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
@@ -144,3 +145,52 @@ def test_metrics_count_each_tenants_tokens_and_refusals(cluster: ServeCluster) -
     assert 'prefix_serve_tenant_express_requests_total{tenant="chat"} 1.0' in text
     assert 'prefix_serve_tenant_express_requests_total{tenant="batch"}' not in text
     assert 'prefix_serve_tenant_rejected_requests_total{reason="requests",tenant="metered"}' in text
+
+
+def _replica_stats(cluster: ServeCluster) -> dict:
+    (stats,) = cluster.stats()["replicas"].values()
+    return stats
+
+
+def _until(cluster: ServeCluster, check: Callable[[dict], bool], timeout_s: float = 15.0) -> dict:
+    """The replica's stats once ``check`` holds (they are pushed every second)."""
+    deadline = time.monotonic() + timeout_s
+    while not check(stats := _replica_stats(cluster)):
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.25)
+    return stats
+
+
+def test_a_sessions_blocks_are_kept_between_turns_and_released_on_its_last(
+    cluster: ServeCluster,
+) -> None:
+    """A turn with ``cache_retention`` under ``x-session-id`` leaves its blocks held for the
+    session; the next turn, sent with ``x-session-final``, hits them and they go when it
+    ends. Retention without a session id is a 400 in OpenAI's format."""
+    chat = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="sk-chat", max_retries=0)
+    session = {"x-session-id": "agent-7"}
+    turn = "Tools: search, open, edit. Task: fix the failing test. " * 4  # 224 tokens
+    first = chat.completions.create(
+        model=MODEL,
+        prompt=turn,
+        max_tokens=8,
+        temperature=0,
+        extra_headers=session,
+        extra_body={"cache_retention": {"ttl_s": 60}, "ignore_eos": True},
+    )
+    held = _until(cluster, lambda s: s["sessions_retained"] == 1)
+    assert held["blocks_pinned"] == (len(turn) + 7) // 16  # prompt and output's full blocks
+    second = chat.completions.create(
+        model=MODEL,
+        prompt=turn + first.choices[0].text + " Tool result: 3 passed.",
+        max_tokens=8,
+        temperature=0,
+        extra_headers={**session, "x-session-final": "true"},
+    )
+    assert second.usage.prompt_tokens_details.cached_tokens >= len(turn) // 16 * 16
+    _until(cluster, lambda s: s["sessions_retained"] == 0 and s["blocks_pinned"] == 0)
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat.completions.create(
+            model=MODEL, prompt="x", max_tokens=1, extra_body={"cache_retention": {"ttl_s": 5}}
+        )
+    assert refused.value.param == "cache_retention"

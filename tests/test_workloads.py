@@ -15,6 +15,7 @@ from bench.workloads import (
     WORKLOADS,
     TraceRequest,
     WorkloadSpec,
+    agent_sessions,
     load_trace,
     make_trace,
     oracle_hit_rate,
@@ -118,3 +119,15 @@ def test_a_percentile_beyond_the_cut_off_is_unknown_not_a_number() -> None:
     assert censored_percentile([1.0, 2.0, 3.0, 4.0, inf], 99) is None
     assert censored_percentile([1.0] * 99 + [inf], 50) == 1.0
     assert censored_percentile([], 50) is None
+
+
+def test_agent_sessions_grow_by_a_tool_result_and_wait_for_the_tool() -> None:
+    sessions = agent_sessions(3, 4, (10.0, 60.0), seed=1)
+    assert sessions == agent_sessions(3, 4, (10.0, 60.0), seed=1)  # seeded
+    assert len(sessions) == 3 and all(len(s) == 4 for s in sessions)
+    for s in sessions:
+        prompts = [turn.request.prompt for turn in s]
+        for before, after in itertools.pairwise(prompts):
+            assert after.startswith(before) and "Tool result:" in after[len(before) :]
+        assert 0 <= s[0].wait_s <= 10 and all(10 <= t.wait_s <= 60 for t in s[1:])
+    assert len({s[0].request.prompt[:40] for s in sessions}) == 3  # a system prompt each

@@ -47,6 +47,14 @@ Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
+class CacheRetention(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    ttl_s: float = Field(
+        ge=0.0, description="keep this session's blocks this long after the answer; 0: release"
+    )
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -126,6 +134,9 @@ class _CommonRequest(BaseModel):
     )
     response_format: ResponseFormat | None = Field(
         None, description="text, json_object, or json_schema: decoding held to the format"
+    )
+    cache_retention: CacheRetention | None = Field(
+        None, description="with a session id (x-session-id): keep its blocks for its next turn"
     )
 
     @property

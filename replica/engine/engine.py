@@ -34,7 +34,7 @@ from replica.engine.sequence import Sequence, SequenceStatus
 from replica.engine.stats import EngineMetrics, EngineStats
 from replica.engine.step import Runner, ScheduledBatch
 from replica.errors import InvalidRequestError
-from replica.messages import RequestOutput
+from replica.messages import RequestOutput, Retention
 from replica.sampling.grammar import Grammars
 from replica.sampling.params import SamplingParams
 from replica.sampling.sampler import Sample, Sampler
@@ -66,6 +66,7 @@ class Engine:
             self.hasher,
             config.enable_prefix_cache,
             config.protected_fraction,
+            config.max_pinned_fraction,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -108,13 +109,15 @@ class Engine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         output_token_ids: abc.Sequence[int] = (),
+        retention: Retention | None = None,
     ) -> None:
         """Queue a request. Raises ``InvalidRequestError`` if it can never be served.
 
         ``output_token_ids`` resumes a request that produced them elsewhere (its replica
         died): they are computed like the prompt (and hit the prefix cache where they can),
         but count as output, so generation, ``max_tokens`` and the sampler's positions go
-        on exactly where they stopped."""
+        on exactly where they stopped. ``retention`` keeps its blocks for its session's next
+        turn once it finishes (``replica.engine.blocks.retention``)."""
         params = params or SamplingParams()
         tokens, outputs = list(prompt_token_ids), list(output_token_ids)
         if request_id in self._seqs:
@@ -134,6 +137,7 @@ class Engine:
         )
         seq.num_prompt_tokens = len(tokens)
         seq.grammar = grammar
+        seq.retention = retention
         if self.store is not None and params.prompt_logprobs is None:
             self.store.restore(self.kv, seq)
         self.block_manager.expect(seq)  # what it will hit outlives the prefills queued ahead
@@ -163,6 +167,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return an output for every request that got a token."""
+        self.block_manager.pins.expire()  # before scheduling: what it frees is available
         batch = self.scheduler.schedule()
         self.metrics.preemptions += len(batch.preempted)
         outputs = []
@@ -173,6 +178,14 @@ class Engine:
         if self.store is not None:  # what this step released, copied behind it
             self.store.after_step(self.kv)
         return outputs
+
+    def expire_retention(self) -> float | None:
+        """Release the sessions' pins past their TTL (steps do it too; the replica's loop
+        calls this while the engine is idle); seconds until the next goes (None: none)."""
+        wait = self.block_manager.pins.expire()
+        if self.store is not None:  # the released blocks spill like any others
+            self.store.after_step(self.kv)
+        return wait
 
     def generate(
         self,
@@ -243,8 +256,9 @@ class Engine:
         in use. Tests call this after every step; replicas whenever idle."""
         sched = self.scheduler
         check_block_accounting(self.block_manager, sched.running, sched.waiting)
-        if idle and self.block_manager.allocator.num_in_use:
-            raise AssertionError("blocks still in use with no request left")
+        pinned = len(set(self.block_manager.pins.blocks()))
+        if idle and self.block_manager.allocator.num_in_use != pinned:
+            raise AssertionError("blocks still in use with no request left (besides pins)")
 
     # -- internals --------------------------------------------------------------------------
 
@@ -308,6 +322,7 @@ class Engine:
         seq.finish_reason = seq.commit(token, self._eos_token_ids)
         if seq.finish_reason is not None:
             seq.status = SequenceStatus.FINISHED
+            self.block_manager.retain(seq)  # before its blocks go: a pin shares them
             self.scheduler.remove(seq)
             del self._seqs[seq.request_id]
             m.num_finished += 1

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from replica.messages import RequestOutput
+from replica.messages import RequestOutput, Retention
 from replica.sampling.grammar import GrammarState
 from replica.sampling.params import SamplingParams, TokenLogprob
 from replica.sampling.sampler import SampleRow, token_logprobs
@@ -49,6 +49,7 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_reason: str | None = None
+    retention: Retention | None = None  # keep its blocks for its session (choice 0 only)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

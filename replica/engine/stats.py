@@ -57,6 +57,12 @@ class EngineStats:
     blocks_free: int
     blocks_cached: int
     blocks_in_use: int
+    blocks_pinned: int  # held for sessions (``replica.engine.blocks.retention``)
+    sessions_retained: int
+    retention_pinned: int  # pins made; renewed by the next turn, expired, released for room
+    retention_renewed: int
+    retention_expired: int
+    retention_released_for_room: int
     ttft_p50_s: float | None
     ttft_p99_s: float | None
     itl_p50_s: float | None
@@ -70,6 +76,7 @@ class EngineStats:
         with ``latencies`` (sorting up to 100k samples: leave them out where this runs
         often, e.g. every heartbeat)."""
         blocks = scheduler.block_manager.usage()
+        pins = scheduler.block_manager.pins.counters
         return cls(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
@@ -89,6 +96,12 @@ class EngineStats:
             blocks_free=blocks.free,
             blocks_cached=blocks.cached,
             blocks_in_use=blocks.in_use,
+            blocks_pinned=blocks.pinned,
+            sessions_retained=blocks.sessions,
+            retention_pinned=pins.pinned,
+            retention_renewed=pins.renewed,
+            retention_expired=pins.expired,
+            retention_released_for_room=pins.released_for_room,
             ttft_p50_s=percentile(m.ttft_s, 50) if latencies else None,
             ttft_p99_s=percentile(m.ttft_s, 99) if latencies else None,
             itl_p50_s=percentile(m.itl_s, 50) if latencies else None,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvindex.hashing import BlockHasher
 from replica.engine.blocks.allocator import BlockAllocator
 from replica.engine.blocks.prefix_cache import PrefixCache
+from replica.engine.blocks.retention import Pins
 from replica.engine.sequence import Sequence
 
 
@@ -20,6 +21,8 @@ class BlockUsage:
     in_use: int
     evictions: int
     hash_mismatches: int
+    pinned: int  # references the sessions' pins hold (``replica.engine.blocks.retention``)
+    sessions: int  # sessions holding blocks
 
 
 class BlockManager:
@@ -41,6 +44,7 @@ class BlockManager:
         hasher: BlockHasher,
         enable_prefix_cache: bool,
         protected_fraction: float = 0.0,
+        max_pinned_fraction: float = 0.0,
     ) -> None:
         if hasher.block_size != block_size:
             raise ValueError("hasher and block manager disagree on block_size")
@@ -50,6 +54,7 @@ class BlockManager:
         self.allocator = BlockAllocator(
             num_blocks, block_size, self.prefix_cache, protected_fraction
         )
+        self.pins = Pins(self.allocator, int(max_pinned_fraction * num_blocks))
         self._copies: list[tuple[int, int]] = []  # (src, dst) for the next forward pass
 
     def usage(self) -> BlockUsage:
@@ -61,6 +66,8 @@ class BlockManager:
             in_use=alloc.num_in_use,
             evictions=cache.num_evictions if cache else 0,
             hash_mismatches=cache.num_hash_mismatches if cache else 0,
+            pinned=self.pins.held,
+            sessions=len(self.pins),
         )
 
     def admit(self, seq: Sequence, token_budget: int, reserve_blocks: int = 0) -> int | None:
@@ -172,10 +179,18 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_published_blocks = 0
 
+    def retain(self, seq: Sequence) -> None:
+        """``seq`` finished (still holding its blocks): keep its published prefix for its
+        session's next turn, if it asked (``replica.engine.blocks.retention``)."""
+        if seq.retention is not None and seq.index == 0:
+            self.pins.pin(seq.retention, seq.block_table[: seq.num_published_blocks])
+
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix. Refused (False) while any block is in use."""
-        if self.prefix_cache is None or self.allocator.num_in_use:
+        """Forget every cached prefix and every session's pin. Refused (False) while a
+        request holds blocks."""
+        if self.prefix_cache is None or self.allocator.num_in_use > len(set(self.pins.blocks())):
             return False
+        self.pins.release_all()
         self.allocator.evict_all()
         self.prefix_cache.mark_cleared()
         return True
