@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,7 @@ from replica.messages import EngineRequest
 from router.serve import link
 
 TIMEOUT_HEADER = "x-request-timeout"  # seconds a client will wait (shortens the deadline)
+REQUEST_LOG = logging.getLogger("ray.serve.prefix_serve.requests")  # in Serve's replica log
 ARRIVAL = Tenant("*")  # without the fair queue every request queues as this one: in order
 
 
@@ -49,6 +51,33 @@ def estimated_cost(request: EngineRequest) -> int:
     route = request.route
     cached = link.LINK.cached_tokens(route) or 0
     return route.num_prompt_tokens - cached + request.params.max_tokens * request.params.n
+
+
+def log_request(
+    tenant: Tenant,
+    ticket: Ticket,
+    requests: list[EngineRequest],
+    streams: list[EngineStream],
+    cost: int,
+) -> None:
+    """The request log: one line a request once it is over (the ingress replica's log)."""
+    first = requests[0]
+    session = first.retention.session if first.retention is not None else "-"
+    REQUEST_LOG.info(
+        "request %s tenant=%s priority=%d waited_s=%.3f express=%s prompts=%d "
+        "prompt_tokens=%d cached_tokens=%d output_tokens=%d charged=%d session=%s",
+        first.request_id,
+        tenant.name,
+        tenant.priority,
+        ticket.waited_s,
+        ticket.express,
+        len(requests),
+        sum(len(r.prompt_token_ids) for r in requests),
+        sum(s.cached_tokens for s in streams),
+        sum(s.delivered_tokens for s in streams),
+        cost,
+        session,
+    )
 
 
 def actual_cost(requests: list[EngineRequest], streams: list[EngineStream]) -> int:
@@ -99,7 +128,9 @@ class Gate:
                 self._spawn(self.quotas.settle(taken, 0))  # type: ignore[union-attr]
             raise
         headers = taken.headers if taken is not None else {}
-        return Admitted(lambda streams: self._leave(ticket, taken, requests, streams), headers)
+        return Admitted(
+            lambda streams: self._leave(tenant, ticket, taken, requests, streams), headers
+        )
 
     async def _take(self, tenant: Tenant, cost: int) -> Taken | None:
         if self.quotas is None:
@@ -136,12 +167,14 @@ class Gate:
 
     def _leave(
         self,
+        tenant: Tenant,
         ticket: Ticket,
         taken: Taken | None,
         requests: list[EngineRequest],
         streams: list[EngineStream],
     ) -> None:
         cost = actual_cost(requests, streams)
+        log_request(tenant, ticket, requests, streams, cost)
         if self.fair:
             self.queue.leave(ticket, cost)
             api_metrics.TENANT_CHARGED.labels(ticket.tenant.name).inc(cost)

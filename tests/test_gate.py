@@ -14,7 +14,7 @@ from starlette.requests import Request
 from cluster.admission import Admission
 from cluster.api.errors import APIError
 from cluster.config import ClusterArgs
-from cluster.gate import Admitted, Gate
+from cluster.gate import REQUEST_LOG, Admitted, Gate
 from kvindex.records import RoutingRequest
 from replica.messages import EngineRequest
 from replica.sampling.params import SamplingParams
@@ -111,3 +111,17 @@ def test_the_cost_estimate_is_not_computed_without_fair_queue_or_quotas(
         leave(await enter(gate(), 0))
 
     asyncio.run(go())
+
+
+def test_every_request_leaves_one_line_in_the_request_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def go() -> None:
+        door = gate()
+        leave(await enter(door, 7))
+
+    with caplog.at_level("INFO", logger=REQUEST_LOG.name):
+        asyncio.run(go())
+    (line,) = [r.getMessage() for r in caplog.records if r.name == REQUEST_LOG.name]
+    assert line.startswith("request r7 tenant=default priority=0 waited_s=0.000 express=False")
+    assert "prompt_tokens=40 cached_tokens=0 output_tokens=4 charged=44 session=-" in line

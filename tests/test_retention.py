@@ -147,3 +147,23 @@ def _run(engine: Engine, rid: str) -> RequestOutput:
         for out in outputs:
             if out.request_id == rid and out.finished:
                 return out
+
+
+def test_pins_yield_to_a_request_that_could_not_run_beside_them() -> None:
+    """8 blocks of 16, pins bounded to 4: two sessions hold 2 blocks each. A prompt that
+    needs 7 blocks, with nothing running that could free any, releases them (oldest first)
+    instead of waiting for their TTLs; its tokens are those of an engine without pins."""
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    big = [250, *range(1, 97)]  # 97 tokens + 8: 7 blocks
+    engine = build_engine(tiny(num_blocks=8, block_size=16, max_num_seqs=4))
+    for i in range(2):
+        session = [240 + i, *range(100, 139)]  # 40 tokens + 8: 2 full blocks computed
+        engine.add_request(f"s{i}", session, greedy, retention=Retention(f"s{i}", "a", 300))
+        _run(engine, f"s{i}")
+    assert engine.stats().blocks_pinned == 4
+    engine.add_request("big", big, greedy)
+    out = _run(engine, "big")
+    stats = engine.stats()
+    assert stats.retention_released_for_room == 2 and stats.blocks_pinned == 0
+    plain = build_engine(tiny(num_blocks=8, block_size=16, max_num_seqs=4))
+    assert plain.generate([big], greedy)[0].token_ids == out.token_ids

@@ -101,6 +101,7 @@ class Scheduler:
         """Decodes (oldest first), then the next chunk of each prompt being computed.
 
         A decode that finds no block, even after the allocator evicted every cached prefix,
+        releases a session's pin (``replica.engine.blocks.retention``) or, with none left,
         preempts the newest running request not yet scheduled (itself, if it is the
         newest)."""
         order = {id(s): i for i, s in enumerate(self.running)}
@@ -114,6 +115,8 @@ class Scheduler:
                     budget -= n
                 continue
             while not self.block_manager.append_slot(seq):
+                if self.block_manager.pins.yield_one():  # a pin before a running request
+                    continue
                 victim = max([seq, *pending], key=lambda s: order[id(s)])
                 if victim is not seq:
                     pending.remove(victim)
@@ -139,6 +142,8 @@ class Scheduler:
                 allowed = max(budget, remaining)
             num_new = self.block_manager.admit(seq, allowed, self.reserve_blocks())
             if num_new is None:
+                if not self.running and self.block_manager.pins.yield_one():
+                    continue  # nothing runs that would free blocks: the pins make room
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

@@ -12,8 +12,12 @@ Bounds, so retention never starves running requests: the pins hold at most
 ``max_blocks`` references in all; a new pin beyond that first releases whole pins, oldest
 first, of the tenant that holds the most (counting the new one), so one tenant's flood of
 sessions releases its own before another's. A pin longer than ``max_blocks`` keeps its
-first ``max_blocks`` blocks. Released blocks become cached like any other (and spill to the
-node store), so an expired session may still hit.
+first ``max_blocks`` blocks. Pins also yield to requests (``yield_one``, by the same rule):
+the scheduler releases one rather than preempt a running request, or rather than leave a
+request waiting when nothing runs that could free blocks. A flood of other requests evicts
+cached blocks, never pinned ones, as long as what runs at once fits beside the pins.
+Released blocks become cached like any other (and spill to the node store), so an expired
+session may still hit.
 
 Invariants: every pin's blocks are a prefix of published blocks, each held once by the pin;
 ``held`` is the sum of the pins' lengths and never exceeds ``max_blocks``; a block is freed
@@ -101,6 +105,16 @@ class Pins:
         self.held += len(keep)
         self.counters.pinned += 1
         return len(keep)
+
+    def yield_one(self) -> bool:
+        """Release one pin for a request that needs its blocks now (the module docstring):
+        the oldest of the tenant holding the most. False when there is none."""
+        if not self._pins:
+            return False
+        top = max(self._by_tenant, key=lambda t: self._by_tenant[t])
+        self._release(next(s for s, p in self._pins.items() if p.tenant == top))
+        self.counters.released_for_room += 1
+        return True
 
     def expire(self) -> float | None:
         """Release every pin past its TTL; returns seconds until the next one goes (None:
