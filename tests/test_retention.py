@@ -167,3 +167,17 @@ def test_pins_yield_to_a_request_that_could_not_run_beside_them() -> None:
     assert stats.retention_released_for_room == 2 and stats.blocks_pinned == 0
     plain = build_engine(tiny(num_blocks=8, block_size=16, max_num_seqs=4))
     assert plain.generate([big], greedy)[0].token_ids == out.token_ids
+
+
+def test_a_reset_drops_the_pins_but_is_refused_while_a_request_holds_a_pinned_block() -> None:
+    clock = Clock()
+    bm = pool(8, 0.5, clock)
+    turn = list(range(9))  # 2 full blocks
+    finished(bm, turn, "t1", Retention("s", "a", 30))
+    running = Sequence("next", [*turn, 50], SamplingParams(), None, arrival_time=0.0)
+    assert bm.admit(running, token_budget=10_000) is not None  # shares the pinned blocks
+    assert not bm.reset_prefix_cache() and bm.pins.held == 2
+    bm.release(running)
+    assert bm.reset_prefix_cache()
+    assert bm.pins.held == 0 and len(bm.pins) == 0 and bm.allocator.num_free == 8
+    check_block_accounting(bm, [], [])

@@ -188,7 +188,8 @@ class BlockManager:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix and every session's pin. Refused (False) while a
         request holds blocks."""
-        if self.prefix_cache is None or self.allocator.num_in_use > len(set(self.pins.blocks())):
+        held_by_requests = sum(self.allocator.ref_counts) - self.pins.held
+        if self.prefix_cache is None or held_by_requests:
             return False
         self.pins.release_all()
         self.allocator.evict_all()
