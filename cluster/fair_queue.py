@@ -16,8 +16,9 @@ first. Two saturating tenants of weights 1 and 3 are served 1:3 in charged token
 that was idle starts at V, with no credit saved up.
 
 Express slots (``express``, a few per engine replica) keep a light tenant and a high
-priority from waiting for a slot to free: when the engines' slots are all taken, the first
-waiter of the highest priority waiting may start at once on an express slot if its priority
+priority from waiting for a slot to free: when the engines' slots are all taken, the
+request the queue would release next (and only it: the lane never reorders the queue, so
+the shares of cost stay as they are) may start at once on an express slot if its priority
 is above the lowest running, or if its tenant has fewer requests running than its weighted
 share of the slots (a tenant that floods is always over its share, so it never gets one).
 The engines batch the extra request (their ``max_num_seqs`` must leave room); the flood's
@@ -144,7 +145,7 @@ class FairQueue:
         if not self._heap and self._fits(count):
             self._admit(tenant, cost, count, tag)
             return Ticket(tenant, cost, count, 0.0)
-        if self._may_express(tenant, count) and not self._outranked(tenant):
+        if (not self._heap or key < self._heap[0].key) and self._may_express(tenant, count):
             self._admit(tenant, cost, count, tag)
             self.expressed[tenant.name] += 1
             return Ticket(tenant, cost, count, 0.0, express=True)
@@ -214,37 +215,17 @@ class FairQueue:
 
     def _release_next(self) -> None:
         while self._heap:
-            if self._fits(self._heap[0].count):
-                waiter = heapq.heappop(self._heap)
-            else:
-                found = self._express_waiter()
-                if found is None:
-                    return
-                waiter = found
-                self._heap.remove(waiter)
-                heapq.heapify(self._heap)
-                waiter.express = True
-                self.expressed[waiter.tenant.name] += 1
+            head = self._heap[0]
+            if not self._fits(head.count):
+                if not self._may_express(head.tenant, head.count):
+                    return  # the lane goes to the next in line only, never past it
+                head.express = True
+                self.expressed[head.tenant.name] += 1
+            waiter = heapq.heappop(self._heap)
             self.waiting_by_tenant[waiter.tenant.name] -= 1
             self._start(waiter.tenant, waiter.count)
             self.virtual = waiter.key[1]
             waiter.future.set_result(None)
-
-    def _express_waiter(self) -> _Waiter | None:
-        """The first waiter of the highest priority waiting that may take an express slot."""
-        if self.express() <= 0:
-            return None
-        top = self._heap[0].key[0]
-        for waiter in sorted(self._heap):
-            if waiter.key[0] != top:
-                return None
-            if self._may_express(waiter.tenant, waiter.count):
-                return waiter
-        return None
-
-    def _outranked(self, tenant: Tenant) -> bool:
-        """Whether a request of a higher priority than ``tenant``'s is waiting."""
-        return bool(self._heap) and -self._heap[0].key[0] > tenant.priority
 
     def _may_express(self, tenant: Tenant, count: int) -> bool:
         """Whether a request of ``tenant`` may start on an express slot now (the module

@@ -38,8 +38,16 @@ async def _serve(queue: FairQueue, jobs: list[tuple[Tenant, float]], served: int
     return order[:served]
 
 
-def test_two_saturating_tenants_of_weights_1_and_3_share_1_to_3_in_tokens() -> None:
-    queue = FairQueue(lambda: 1)
+# (slots, express slots): the lane lends a slot to the next in line only, so it never
+# changes the shares
+SLOTS = pytest.mark.parametrize("slots,express", [(1, 0), (4, 0), (4, 2)])
+
+
+@SLOTS
+def test_two_saturating_tenants_of_weights_1_and_3_share_1_to_3_in_tokens(
+    slots: int, express: int
+) -> None:
+    queue = FairQueue(lambda: slots, express=lambda: express)
     light, heavy = Tenant("a", weight=1.0), Tenant("b", weight=3.0)
     jobs = [(t, 100.0) for _ in range(200) for t in (light, heavy)]
     order = asyncio.run(_serve(queue, jobs, 200))
@@ -58,6 +66,17 @@ def test_the_share_is_of_cost_after_the_cache_not_of_requests() -> None:
     order = asyncio.run(_serve(queue, jobs, 220))
     counts = Counter(order)
     assert counts["warm"] / counts["cold"] == pytest.approx(10.0, rel=0.1)
+
+
+def test_express_slots_never_change_the_order_requests_leave_the_queue() -> None:
+    """The lane lends a slot to the next in line only: the order in which a flood of cheap
+    and costly requests of two tenants leaves the queue is the same with and without it."""
+    cold, warm = Tenant("cold"), Tenant("warm", weight=2)
+    jobs = [(cold, 1000.0) for _ in range(40)] + [(warm, 100.0) for _ in range(200)]
+    plain, lent = FairQueue(lambda: 4), FairQueue(lambda: 4, express=lambda: 2)
+    orders = [asyncio.run(_serve(queue, jobs, 150)) for queue in (plain, lent)]
+    assert orders[0] == orders[1]
+    assert sum(lent.expressed.values()) > 0 and not plain.expressed  # the lane was used
 
 
 def test_a_higher_priority_always_leaves_the_queue_first() -> None:
