@@ -92,13 +92,13 @@ def make_trace(spec: WorkloadSpec) -> list[TraceRequest]:
 
 def chat_trace(spec: WorkloadSpec) -> list[TraceRequest]:
     rng = random.Random(spec.seed)
-    system = _system_prompt(spec.seed, "system", spec.system_chars)
+    system = system_prompt(spec.seed, "system", spec.system_chars)
     times = _arrivals(rng, spec.num_requests, spec.rate)
     return [
         TraceRequest(
             request_id=f"chat-{i}",
             arrival_s=times[i],
-            prompt=f"{system}\nUser {i}: {_text(rng, rng.randint(*spec.question_chars))}?",
+            prompt=f"{system}\nUser {i}: {filler_text(rng, rng.randint(*spec.question_chars))}?",
             max_tokens=rng.randint(*spec.output_tokens),
             group="system",
         )
@@ -116,8 +116,8 @@ def multi_tenant_trace(spec: WorkloadSpec) -> list[TraceRequest]:
     for i in range(spec.num_requests):
         tenant = bisect.bisect_left(cumulative, rng.random() * cumulative[-1])
         if tenant not in systems:
-            systems[tenant] = _system_prompt(spec.seed, f"tenant-{tenant}", spec.system_chars)
-        question = _text(rng, rng.randint(*spec.question_chars))
+            systems[tenant] = system_prompt(spec.seed, f"tenant-{tenant}", spec.system_chars)
+        question = filler_text(rng, rng.randint(*spec.question_chars))
         trace.append(
             TraceRequest(
                 request_id=f"tenant-{tenant}-{i}",
@@ -135,7 +135,7 @@ def multi_turn_trace(spec: WorkloadSpec) -> list[TraceRequest]:
     history so far (system prompt, earlier questions and answers) plus a new question. A
     conversation longer than ``max_history_chars`` is replaced by a new one."""
     rng = random.Random(spec.seed)
-    system = _system_prompt(spec.seed, "assistant", spec.system_chars)
+    system = system_prompt(spec.seed, "assistant", spec.system_chars)
     ids = itertools.count()
 
     def new_conversation() -> tuple[int, str, int]:
@@ -148,7 +148,7 @@ def multi_turn_trace(spec: WorkloadSpec) -> list[TraceRequest]:
     for i in range(spec.num_requests):
         slot = rng.randrange(spec.conversations)
         cid, history, turn = slots[slot]
-        question = _text(rng, rng.randint(*spec.question_chars))
+        question = filler_text(rng, rng.randint(*spec.question_chars))
         prompt = f"{history}\nUser: {question}?\nAssistant:"
         trace.append(
             TraceRequest(
@@ -160,7 +160,7 @@ def multi_turn_trace(spec: WorkloadSpec) -> list[TraceRequest]:
             )
         )
         # the client resends the answer it got; the trace fixes its text in advance
-        history = f"{prompt} {_text(rng, rng.randint(*spec.answer_chars))}."
+        history = f"{prompt} {filler_text(rng, rng.randint(*spec.answer_chars))}."
         slots[slot] = (cid, history, turn + 1)
         if len(history) > spec.max_history_chars:
             slots[slot] = new_conversation()
@@ -212,64 +212,6 @@ _WORKLOADS = {
 WORKLOADS = tuple(_WORKLOADS)
 
 
-def tenant_trace(
-    tenant: str, rate: float, duration_s: float, seed: int, cached: bool, max_tokens: int = 24
-) -> list[TraceRequest]:
-    """One tenant's open-loop requests for ``duration_s`` seconds: ``cached``, its own
-    ~1,200-character system prompt and a short question (the prompt is served from cache
-    after the first); else ~1,200 characters of text of its own each (nothing cached)."""
-    rng = random.Random(f"{seed}/{tenant}/{rate}/{cached}")
-    system = _system_prompt(seed, f"tenant-{tenant}", 1200)
-    times = []
-    t = rng.expovariate(rate)
-    while t < duration_s:
-        times.append(t)
-        t += rng.expovariate(rate)
-    trace = []
-    for i, arrival in enumerate(times):
-        question = _text(rng, rng.randint(60, 120))
-        prompt = f"{system}\nUser {i}: {question}?" if cached else _text(rng, 1200)
-        trace.append(TraceRequest(f"{tenant}-{i}", arrival, prompt, max_tokens, tenant))
-    return trace
-
-
-@dataclass(frozen=True)
-class AgentTurn:
-    """One turn of an agent session: sent ``wait_s`` after the previous answer (the tool
-    it ran), its prompt the whole session so far."""
-
-    request: TraceRequest
-    wait_s: float
-
-
-def agent_sessions(
-    sessions: int,
-    turns: int,
-    tool_wait_s: tuple[float, float],
-    seed: int,
-    max_tokens: int = 24,
-) -> list[list[AgentTurn]]:
-    """``sessions`` agent conversations of ``turns`` turns: a system prompt of its own
-    (~800 characters: the agent's tools and task), then per turn the model's answer (its text
-    fixed in advance, as the client resends it) and a tool result (~400-800 characters)
-    appended; between turns the tool runs for a uniform ``tool_wait_s`` seconds. The first
-    turns start over the first 10 s."""
-    rng = random.Random(f"agents/{seed}")
-    out = []
-    for s in range(sessions):
-        history = _system_prompt(seed, f"agent-{s}", 800) + f"\nTask: {_text(rng, 120)}."
-        session = []
-        for t in range(turns):
-            prompt = f"{history}\nAssistant:"
-            wait = rng.uniform(0, 10) if t == 0 else rng.uniform(*tool_wait_s)
-            request = TraceRequest(f"agent-{s}-turn-{t}", 0.0, prompt, max_tokens, f"agent-{s}")
-            session.append(AgentTurn(request, wait))
-            answer, tool = _text(rng, 150), _text(rng, rng.randint(400, 800))
-            history = f"{prompt} {answer}.\nTool result: {tool}."
-        out.append(session)
-    return out
-
-
 def save_trace(path: str | Path, trace: Iterable[TraceRequest]) -> None:
     with open(path, "w") as f:
         for req in trace:
@@ -299,12 +241,12 @@ def oracle_hit_rate(
     return cached / total if total else 0.0
 
 
-def _system_prompt(seed: int, name: str, num_chars: int) -> str:
+def system_prompt(seed: int, name: str, num_chars: int) -> str:
     rng = random.Random(f"{seed}/{name}")
-    return f"System ({name}): you are a careful assistant. {_text(rng, num_chars)}"
+    return f"System ({name}): you are a careful assistant. {filler_text(rng, num_chars)}"
 
 
-def _text(rng: random.Random, num_chars: int) -> str:
+def filler_text(rng: random.Random, num_chars: int) -> str:
     words: list[str] = []
     length = 0
     while length < num_chars:

@@ -11,16 +11,15 @@ from pathlib import Path
 import pytest
 
 from bench.experiments.tenants import censored_percentile
+from bench.tenant_workloads import agent_sessions, tenant_trace
 from bench.workloads import (
     WORKLOADS,
     TraceRequest,
     WorkloadSpec,
-    agent_sessions,
     load_trace,
     make_trace,
     oracle_hit_rate,
     save_trace,
-    tenant_trace,
 )
 from kvindex.hashing import BlockHasher
 from replica.checkpoints.tokenizer import ByteTokenizer

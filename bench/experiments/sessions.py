@@ -1,7 +1,7 @@
 """``sessions``: agent sessions whose blocks outlive the tool call (issue 49).
 
 On the real cluster (2 engine replicas of the model, Redis, the ingress, over HTTP), 16
-agent sessions (``bench.workloads.agent_sessions``): each turn resends the whole session
+agent sessions (``bench.tenant_workloads.agent_sessions``): each turn resends the whole session
 so far plus a tool result, then waits 10-60 s for "the tool" before the next turn. Meanwhile
 another tenant sends one-off prompts (nothing cached, ``--background`` requests/s) that
 fill the pools (``--num-blocks`` per replica), so a session's blocks left unreferenced
@@ -42,7 +42,8 @@ from bench.harness.private_ray import PrivateRay
 from bench.harness.redis_server import LocalRedis
 from bench.loadgen import RequestResult, send
 from bench.peers.host import provenance
-from bench.workloads import AgentTurn, agent_sessions, fast_engine, tenant_trace
+from bench.tenant_workloads import AgentTurn, agent_sessions, tenant_trace
+from bench.workloads import fast_engine
 from cluster.config import ClusterArgs
 from kvindex.config import IndexConfig
 

@@ -40,7 +40,8 @@ from bench.harness.redis_server import LocalRedis
 from bench.loadgen import RequestResult
 from bench.peers.host import provenance
 from bench.tenant_load import CUT_OFF, closed_loop, drive_tenants
-from bench.workloads import TraceRequest, fast_engine, tenant_trace
+from bench.tenant_workloads import tenant_trace
+from bench.workloads import TraceRequest, fast_engine
 from cluster.config import ClusterArgs
 from cluster.tenants import APIKeyRecord
 from kvindex.config import IndexConfig
