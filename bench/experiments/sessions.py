@@ -48,7 +48,12 @@ from cluster.config import ClusterArgs
 from kvindex.config import IndexConfig
 
 MODES = ("none", "retention", "store")
-COUNTERS = ("retention_pinned", "retention_renewed", "retention_expired")
+COUNTERS = (
+    "retention_pinned",
+    "retention_renewed",
+    "retention_expired",
+    "retention_released_for_room",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -170,13 +175,18 @@ async def _background(
 async def _sample(
     client: httpx.AsyncClient, samples: list[dict[str, Any]], done: asyncio.Event
 ) -> None:
-    """Every 2 s: the blocks each replica holds for sessions, and its retention counters."""
-    while not done.is_set():
+    """Every 2 s: the blocks each replica holds for sessions, and its retention counters;
+    once more 3 s after ``done`` (the last turns' releases, pushed every second)."""
+    while True:
         with contextlib.suppress(httpx.HTTPError, ValueError):
             stats = (await client.get("/cluster/stats")).json()
             samples.append({rid: dict(r) for rid, r in stats.get("replicas", {}).items()})
+        if done.is_set():
+            return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(done.wait(), 2.0)
+        if done.is_set():
+            await asyncio.sleep(3.0)
 
 
 def _metrics(
