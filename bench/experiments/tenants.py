@@ -14,9 +14,11 @@ higher priority) these phases, one after another on one cluster:
 * ``priority`` (the fair queue only): a priority-5 tenant at ``--light`` x capacity while a
   priority-0 tenant floods (``b_alone`` is its alone value: the same request shape).
 
-Capacity is measured first, once, on the first cluster: requests completed per second with
-the engines' slots (replicas x ``--max-ongoing``) always busy with A's cached requests. Each
-phase sends arrivals for ``--duration`` seconds and abandons what is still waiting or
+Before the phases one request of B and one of the priority tenant cache their system
+prompts, so every phase compares warm requests (an alone value that includes the one cold
+prefill would flatter every ratio). Capacity is measured first, once, on the first cluster:
+requests completed per second with the engines' slots (replicas x ``--max-ongoing``)
+always busy with A's cached requests. Each phase sends arrivals for ``--duration`` seconds and abandons what is still waiting or
 running ``--grace`` seconds later (the clients disconnect; FIFO's backlog would otherwise
 take minutes to drain): a request abandoned before its first token counts as a TTFT beyond
 the cut-off. Modes alternate ABBA over ``--repeats``.
@@ -153,7 +155,12 @@ def run_mode(
                 args.calibrate_s,
             )
         result: dict[str, Any] = {}
-        for name, phase in phases(args, mode, capacity).items():
+        todo = phases(args, mode, capacity)
+        # B's and the priority tenant's prompts cached first, as they are in the later
+        # phases: their alone values are then of warm requests too, not of one prefill
+        warm_up = {t: todo[p][t] for p, t in (("b_alone", "b"), ("priority", "hi")) if p in todo}
+        drive_tenants(cluster.base_url, model, {t: (k, r[:1]) for t, (k, r) in warm_up.items()}, 60)
+        for name, phase in todo.items():
             print(f"tenants: {mode} {name} ({capacity:.2f} requests/s capacity)", flush=True)
             cut_off = args.duration + args.grace
             per_tenant = drive_tenants(cluster.base_url, model, phase, cut_off)
