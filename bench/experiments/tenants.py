@@ -18,10 +18,10 @@ Before the phases one request of B and one of the priority tenant cache their sy
 prompts, so every phase compares warm requests (an alone value that includes the one cold
 prefill would flatter every ratio). Capacity is measured first, once, on the first cluster:
 requests completed per second with the engines' slots (replicas x ``--max-ongoing``)
-always busy with A's cached requests. Each phase sends arrivals for ``--duration`` seconds and abandons what is still waiting or
-running ``--grace`` seconds later (the clients disconnect; FIFO's backlog would otherwise
-take minutes to drain): a request abandoned before its first token counts as a TTFT beyond
-the cut-off. Modes alternate ABBA over ``--repeats``.
+always busy with A's cached requests. Each phase sends arrivals for ``--duration``
+seconds and abandons what is still waiting or running ``--grace`` seconds later (the
+clients disconnect; FIFO's backlog would otherwise take minutes to drain): a request
+abandoned before its first token counts as a TTFT beyond the cut-off. Modes alternate ABBA over ``--repeats``.
 """
 
 from __future__ import annotations
