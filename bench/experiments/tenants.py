@@ -21,7 +21,8 @@ requests completed per second with the engines' slots (replicas x ``--max-ongoin
 always busy with A's cached requests. Each phase sends arrivals for ``--duration``
 seconds and abandons what is still waiting or running ``--grace`` seconds later (the
 clients disconnect; FIFO's backlog would otherwise take minutes to drain): a request
-abandoned before its first token counts as a TTFT beyond the cut-off. Modes alternate ABBA over ``--repeats``.
+abandoned before its first token counts as a TTFT beyond the cut-off. Modes alternate
+ABBA over ``--repeats``.
 """
 
 from __future__ import annotations
