@@ -197,8 +197,11 @@ bench: install install-vllm
 	$(PY) -m bench faults --out results/faults
 	$(PY) -m bench autoscale --out results/autoscale
 	$(PY) -m bench tenants --model smollm2-135m-instruct --max-ongoing 4 --duration 45 \
-	    --grace 20 --flood 4 --light 0.1 --share 2 --deadline 20 --repeats 2 \
-	    --out results/tenants
+	    --grace 20 --flood 4 --light 0.1 --share 2 --deadline 20 --express-slots 1 \
+	    --modes fifo,fair,express --repeats 2 --out results/tenants
+	$(PY) -m bench sessions --model smollm2-135m-instruct --sessions 16 --turns 5 \
+	    --tool-wait 10,60 --num-blocks 512 --pinned 0.6 --background 0.8 --retention-s 90 \
+	    --max-tokens 24 --modes none,retention,store --repeats 2 --out results/sessions
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis results
