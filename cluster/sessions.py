@@ -7,9 +7,10 @@ one OpenCode sends), Dynamo's (``x-dynamo-session-id``), Claude Code's
 the tenant, so two tenants' sessions never share a name.
 
 Retention is asked for per request, in the body (``cache_retention: {"ttl_s": 30}``) or a
-header (``x-cache-retention-s: 30``), and given only to a request with a session id (without
-one, 400: nothing could ever renew or end it). A session with no hint gets
-``sessions.default_retention_s``. The TTL is capped by the tenant's ``max_retention_s`` (else
+header (``x-cache-retention-s: 30``). With a session id the session's next turn renews it
+and its last releases it; without one the blocks are kept under a key of their own for
+the TTL (as a prompt cache's TTL: nothing renews or ends it early). A session with no hint
+gets ``sessions.default_retention_s``. The TTL is capped by the tenant's ``max_retention_s`` (else
 the cluster's). ``x-session-final: true`` (or Dynamo's ``x-dynamo-session-final``) marks the
 session's last turn: its blocks are released when it ends.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+import secrets
 from collections.abc import Mapping
 
 from cluster.api.errors import APIError
@@ -56,13 +58,9 @@ def retention(
     asked_s = _asked(headers, asked_s)
     session = session_id(headers)
     if session is None:
-        if asked_s is not None:
-            raise APIError(
-                400,
-                "cache_retention needs a session id (x-session-id) to keep blocks for",
-                param="cache_retention",
-            )
-        return None
+        if not asked_s:  # no hint, or nothing to keep and no session to release
+            return None
+        session = "~" + secrets.token_hex(8)  # kept for its TTL alone
     final = any(headers.get(h, "").strip().lower() == "true" for h in FINAL_HEADERS)
     if asked_s is None and not final and config.default_retention_s <= 0:
         return None  # no hint, no default: it keeps nothing (an earlier turn's pin stays)

@@ -44,10 +44,14 @@ def test_retention_is_qualified_by_tenant_capped_and_released_on_the_last_turn()
     assert retention(default, TENANT, {}, None) is None
 
 
-def test_retention_without_a_session_or_with_a_bad_header_is_a_400() -> None:
-    with pytest.raises(APIError) as error:
-        retention(CONFIG, TENANT, {}, 30)
-    assert error.value.status == 400 and error.value.param == "cache_retention"
+def test_retention_without_a_session_keeps_blocks_under_a_key_of_their_own() -> None:
+    one, two = retention(CONFIG, TENANT, {}, 30), retention(CONFIG, TENANT, {}, 30)
+    assert one is not None and two is not None and one.session != two.session
+    assert one.session.startswith("team/~") and one.ttl_s == 30
+    assert retention(CONFIG, TENANT, {}, 0) is None  # nothing kept, nothing to release
+
+
+def test_a_bad_retention_header_is_a_400() -> None:
     for bad in ("-1", "soon", "nan", "inf"):
         with pytest.raises(APIError) as error:
             retention(CONFIG, TENANT, {"x-session-id": "s", "x-cache-retention-s": bad}, None)

@@ -136,7 +136,7 @@ class _CommonRequest(BaseModel):
         None, description="text, json_object, or json_schema: decoding held to the format"
     )
     cache_retention: CacheRetention | None = Field(
-        None, description="with a session id (x-session-id): keep its blocks for its next turn"
+        None, description="keep its blocks this long: for its session's next turn (x-session-id)"
     )
 
     @property
