@@ -13,7 +13,7 @@ from cluster.api.errors import APIError
 from cluster.api.models import ChatCompletionRequest, CompletionRequest
 from cluster.api.structured import structured_output
 from cluster.config import ClusterArgs
-from cluster.tenants import Tenants, bearer_key
+from cluster.tenants import Tenant, Tenants, bearer_key
 from kvindex.hashing import BlockHasher
 from kvindex.records import RoutingRequest
 from replica.messages import EngineRequest, Retention
@@ -48,15 +48,20 @@ class RequestBuilder:
             )
         for ids, _ in prompts:
             self._check_lengths(body, ids, max_tokens)
-        salt = self.cache_salt(body, request)
+        tenant = self.tenant(request)
+        salt = self.cache_salt(body, request, tenant)
         params = self.sampling_params(body, max_tokens)
-        keep = self.retention(body, request) if len(prompts) == 1 else None
+        keep = self.retention(body, request, tenant) if len(prompts) == 1 else None
         return [self._engine_request(ids, text, params, salt, keep) for ids, text in prompts]
 
-    def retention(self, body: Body, request: Request) -> Retention | None:
+    def tenant(self, request: Request) -> Tenant:
+        """Who sent it (``cluster.tenants``)."""
+        return self.tenants.of(
+            bearer_key(request.headers.get("authorization", "")), request.headers
+        )
+
+    def retention(self, body: Body, request: Request, tenant: Tenant) -> Retention | None:
         """What of the request's blocks to keep for its session (``cluster.sessions``)."""
-        key = bearer_key(request.headers.get("authorization", ""))
-        tenant = self.tenants.of(key or None, request.headers)
         asked = body.cache_retention.ttl_s if body.cache_retention is not None else None
         return sessions.retention(self.args.sessions, tenant, request.headers, asked)
 
@@ -118,7 +123,7 @@ class RequestBuilder:
             structured=structured,
         )
 
-    def cache_salt(self, body: Body, request: Request) -> str | None:
+    def cache_salt(self, body: Body, request: Request, tenant: Tenant | None = None) -> str | None:
         """The client's salt (body, or ``x-cache-salt``); with API keys, also the tenant's
         (``cluster.tenants``: a plain key is a tenant of its own), so users of one tenant
         share cached prefixes and different tenants never do (unless the operator shares
@@ -126,8 +131,7 @@ class RequestBuilder:
         salt = body.cache_salt or request.headers.get("x-cache-salt") or None
         if not self.args.api_keys or self.args.share_cache_across_keys:
             return salt
-        key = bearer_key(request.headers.get("authorization", ""))
-        tenant = self.tenants.of(key, request.headers)
+        tenant = tenant or self.tenant(request)
         return tenant.name + (f"/{salt}" if salt else "")
 
     def _check_lengths(self, body: Body, ids: list[int], max_tokens: int) -> None:

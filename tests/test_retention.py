@@ -100,7 +100,10 @@ def test_pins_stay_in_their_bound_and_a_tenants_flood_releases_its_own_first() -
     assert bm.pins.held == 4 and bm.pins.held_by("b") == 4 and bm.pins.held_by("a") == 0
 
 
-def test_an_engine_keeps_a_sessions_prefix_through_a_flood_and_changes_no_output() -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: the dtype served
+def test_an_engine_keeps_a_sessions_prefix_through_a_flood_and_changes_no_output(
+    dtype: str,
+) -> None:
     """A tiny pool (8 blocks of 16): a session's turn, then one-off prompts that take every
     block, then its next turn. Retained: the next turn hits its whole prefix (3 blocks);
     not retained: nothing. Greedy tokens are the same either way; accounting after every
@@ -110,7 +113,7 @@ def test_an_engine_keeps_a_sessions_prefix_through_a_flood_and_changes_no_output
     turn = [256, *range(1, 40)]  # 40 tokens
     outs = {}
     for retained in (True, False):
-        engine = build_engine(tiny(num_blocks=8, block_size=16, max_num_seqs=4))
+        engine = build_engine(tiny(num_blocks=8, block_size=16, max_num_seqs=4, dtype=dtype))
         clock = Clock()
         engine.block_manager.pins.clock = clock
         retention = Retention("s", "default", 30) if retained else None

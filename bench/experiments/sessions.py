@@ -37,9 +37,8 @@ from typing import Any
 import httpx
 
 from bench.experiments.sessions_report import markdown, summary
-from bench.harness.launcher import ServeCluster, cluster_env
-from bench.harness.private_ray import PrivateRay
-from bench.harness.redis_server import LocalRedis
+from bench.harness.launcher import ServeCluster
+from bench.harness.rounds import abba, chosen_modes, redis_and_ray
 from bench.loadgen import RequestResult, send
 from bench.peers.host import provenance
 from bench.tenant_workloads import AgentTurn, agent_sessions, tenant_trace
@@ -74,17 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out = args.out or Path("results/sessions")
     out.mkdir(parents=True, exist_ok=True)
-    modes = [m for m in args.modes.split(",") if m]
-    if not modes or set(modes) - set(MODES):
-        raise SystemExit(f"--modes: choose among {', '.join(MODES)}")
+    modes = chosen_modes(args.modes, MODES)
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
-    with contextlib.ExitStack() as stack:
-        url = stack.enter_context(LocalRedis()).url
-        ray = PrivateRay(out / "ray.log", dashboard=False)
-        stack.callback(ray.stop)
-        ray.start(cluster_env())
+    with redis_and_ray(out) as (url, ray):
         for rep in range(args.repeats):
-            for mode in modes if rep % 2 == 0 else modes[::-1]:  # ABBA
+            for mode in abba(modes, rep):
                 print(f"sessions: {mode} (repeat {rep + 1})", flush=True)
                 with ServeCluster(cluster_args(args, mode, url), ray=ray) as cluster:
                     runs[mode].append(asyncio.run(run_mode(args, mode, cluster)))

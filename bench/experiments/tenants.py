@@ -28,7 +28,6 @@ ABBA over ``--repeats``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -37,9 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.experiments.tenants_report import markdown, summary
-from bench.harness.launcher import ServeCluster, cluster_env
+from bench.harness.launcher import ServeCluster
 from bench.harness.private_ray import PrivateRay
-from bench.harness.redis_server import LocalRedis
+from bench.harness.rounds import abba, chosen_modes, redis_and_ray
 from bench.loadgen import RequestResult
 from bench.peers.host import provenance
 from bench.tenant_load import CUT_OFF, closed_loop, drive_tenants
@@ -80,18 +79,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = args.out or Path("results/tenants")
     out.mkdir(parents=True, exist_ok=True)
     engine = fast_engine(args.model, num_blocks=args.num_blocks)
-    modes = [m for m in args.modes.split(",") if m]
-    if not modes or set(modes) - set(MODES):
-        raise SystemExit(f"--modes: choose among {', '.join(MODES)}")
+    modes = chosen_modes(args.modes, MODES)
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     capacity = args.capacity
-    with contextlib.ExitStack() as stack:
-        url = stack.enter_context(LocalRedis()).url
-        ray = PrivateRay(out / "ray.log", dashboard=False)
-        stack.callback(ray.stop)
-        ray.start(cluster_env())
+    with redis_and_ray(out) as (url, ray):
         for rep in range(args.repeats):
-            for mode in modes if rep % 2 == 0 else modes[::-1]:  # ABBA
+            for mode in abba(modes, rep):
                 result, capacity = run_mode(args, mode, capacity, url, ray, engine)
                 runs[mode].append(result)
     assert capacity is not None

@@ -27,6 +27,7 @@ than its parent in the eviction order).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
@@ -71,6 +72,9 @@ class Pins:
         self.allocator, self.max_blocks, self.clock = allocator, max_blocks, clock
         self._pins: OrderedDict[str, Pin] = OrderedDict()  # oldest first
         self._by_tenant: Counter[str] = Counter()  # blocks held per tenant
+        # no pin goes before this (earlier after a release: then recomputed), so a step's
+        # ``expire`` is one comparison while nothing is due
+        self._soonest = math.inf
         self.held = 0
         self.counters = RetentionCounters()
 
@@ -100,7 +104,9 @@ class Pins:
             self.counters.ended += had
             return 0
         self._make_room(retention.tenant, len(keep))
-        self._pins[retention.session] = Pin(retention.tenant, keep, self.clock() + retention.ttl_s)
+        expires_at = self.clock() + retention.ttl_s
+        self._pins[retention.session] = Pin(retention.tenant, keep, expires_at)
+        self._soonest = min(self._soonest, expires_at)
         self._by_tenant[retention.tenant] += len(keep)
         self.held += len(keep)
         self.counters.pinned += 1
@@ -120,12 +126,15 @@ class Pins:
         """Release every pin past its TTL; returns seconds until the next one goes (None:
         no pin left)."""
         now = self.clock()
+        if not self._pins:
+            return None
+        if now < self._soonest:
+            return self._soonest - now
         for session in [s for s, p in self._pins.items() if p.expires_at <= now]:
             self._release(session)
             self.counters.expired += 1
-        if not self._pins:
-            return None
-        return max(0.0, min(p.expires_at for p in self._pins.values()) - now)
+        self._soonest = min((p.expires_at for p in self._pins.values()), default=math.inf)
+        return None if not self._pins else max(0.0, self._soonest - now)
 
     def release_all(self) -> None:
         """Drop every pin (a cache reset)."""
