@@ -16,7 +16,7 @@ from cluster.config import ClusterArgs
 from cluster.tenants import Tenant, Tenants, bearer_key
 from kvindex.hashing import BlockHasher
 from kvindex.records import RoutingRequest
-from replica.messages import EngineRequest, Retention
+from replica.messages import EngineRequest, Owner, Retention
 from replica.sampling.params import SamplingParams
 
 Body = CompletionRequest | ChatCompletionRequest
@@ -52,7 +52,8 @@ class RequestBuilder:
         salt = self.cache_salt(body, request, tenant)
         params = self.sampling_params(body, max_tokens)
         keep = self.retention(body, request, tenant) if len(prompts) == 1 else None
-        return [self._engine_request(ids, text, params, salt, keep) for ids, text in prompts]
+        owner = Owner(tenant.name, tenant.weight)
+        return [self._engine_request(ids, text, params, salt, keep, owner) for ids, text in prompts]
 
     def tenant(self, request: Request) -> Tenant:
         """Who sent it (``cluster.tenants``)."""
@@ -72,6 +73,7 @@ class RequestBuilder:
         params: SamplingParams,
         salt: str | None,
         retention: Retention | None,
+        owner: Owner,
     ) -> EngineRequest:
         chain = self.hasher.chain(ids, salt)
         request_id = uuid.uuid4().hex
@@ -91,6 +93,7 @@ class RequestBuilder:
             cache_salt=salt,
             prompt=text,
             retention=retention,
+            owner=owner,
         )
 
     def sampling_params(self, body: Body, max_tokens: int) -> SamplingParams:

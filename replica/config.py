@@ -114,6 +114,11 @@ class EngineConfig(BaseModel):
         "a retention hint: README 'Sessions'); beyond it the oldest pins of the tenant "
         "holding the most go first",
     )
+    tenant_kv_shares: bool = Field(
+        True,
+        description="evict cached blocks from the tenants over their weighted share of the "
+        "cached pool first, so one tenant's flood evicts its own blocks (README 'Tenants')",
+    )
     seed: int = 0
     dtype: Literal["auto", "float32", "float64", "bfloat16"] = Field(
         "auto", description="auto: bfloat16 where the CPU has native bfloat16, else float32"

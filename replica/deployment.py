@@ -129,6 +129,7 @@ class EngineReplica:
             cache_salt=request.cache_salt,
             output_token_ids=request.output_token_ids,
             retention=request.retention,
+            owner=request.owner,
         )
         structured = request.params.structured
         if structured is not None:  # compiled (once per schema) off the engine's thread

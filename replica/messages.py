@@ -25,6 +25,20 @@ class Retention:
 
 
 @dataclass(frozen=True)
+class Owner:
+    """Whose share of the pool a request's blocks count in once it releases them
+    (``replica.engine.blocks.eviction``): its tenant ("": a cluster without tenants) and the
+    tenant's weight."""
+
+    tenant: str = ""
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.weight <= 0:
+            raise ValueError("a tenant's weight must be positive")
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     """One tokenized request. The ingress hashes the prompt once; the request router reads
     ``route`` (and Ray's own prefix router reads ``prompt``). A request resumed after its
@@ -39,6 +53,7 @@ class EngineRequest:
     prompt: str = ""
     output_token_ids: list[int] = field(default_factory=list)  # resuming: already delivered
     retention: Retention | None = None  # keep its blocks for the session's next turn
+    owner: Owner = Owner()  # its tenant's share of the pool
 
 
 @dataclass(frozen=True)

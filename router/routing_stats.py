@@ -73,6 +73,11 @@ REPLICA_GAUGES = {
     key: Gauge(f"prefix_serve_replica_{key}", f"Engine replica {key} (routing stats)", ["replica"])
     for key in _REPLICA_KEYS
 }
+TENANT_CACHED = Gauge(
+    "prefix_serve_replica_tenant_cached_blocks",
+    "Engine replica's cached blocks owned by each tenant (its share of the pool)",
+    ["replica", "tenant"],
+)
 _MAX_REASONS = 1024  # recent decisions whose reason the ingress may still ask for
 
 
@@ -86,6 +91,7 @@ class RouterStats:
         self.decision_s: deque[float] = deque(maxlen=10_000)
         self.errors = 0  # decisions that raised (``prefix_serve_routing_errors``)
         self._reasons: OrderedDict[str, str] = OrderedDict()
+        self._tenants_seen: dict[str, set[str]] = {}  # tenants with a gauge, per replica
 
     def record_decision(self, request_id: str, seconds: float, reason: str) -> None:
         self.decision_s.append(seconds)
@@ -93,6 +99,15 @@ class RouterStats:
         self._reasons[request_id] = reason
         while len(self._reasons) > _MAX_REASONS:
             self._reasons.popitem(last=False)
+
+    def _tenant_gauges(self, replica_id: str, held: Mapping[str, int]) -> None:
+        """Each tenant's cached blocks on a replica; 0 for one that had some and has none."""
+        seen = self._tenants_seen.setdefault(replica_id, set())
+        for tenant in seen - set(held):
+            TENANT_CACHED.labels(replica_id, tenant).set(0)
+        for tenant, blocks in held.items():
+            TENANT_CACHED.labels(replica_id, tenant).set(blocks)
+        seen |= set(held)
 
     def record_routed(self, replica_id: str) -> None:
         self.routed[replica_id] = self.routed.get(replica_id, 0) + 1
@@ -108,6 +123,7 @@ class RouterStats:
             for key, gauge in REPLICA_GAUGES.items():
                 if isinstance(values.get(key), int | float):
                     gauge.labels(rid).set(values[key])
+            self._tenant_gauges(rid, values.get("blocks_cached_by_tenant") or {})
         return {
             "policy": self.policy,
             "routed": dict(self.routed),

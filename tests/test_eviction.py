@@ -159,7 +159,7 @@ def test_no_mix_of_hits_and_releases_evicts_a_parent_before_its_child(
                 running.append(s)
         check_block_accounting(bm, running, [])
         assert bm.allocator.num_cached <= 12
-        assert len(bm.allocator._protected) <= bm.allocator.max_protected
+        bm.allocator.cached.check()  # at most max_protected protected, and the rest
         cache = bm.prefix_cache
         assert cache is not None
         for block in range(12):

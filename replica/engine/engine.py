@@ -34,7 +34,7 @@ from replica.engine.sequence import Sequence, SequenceStatus
 from replica.engine.stats import EngineMetrics, EngineStats
 from replica.engine.step import Runner, ScheduledBatch
 from replica.errors import InvalidRequestError
-from replica.messages import RequestOutput, Retention
+from replica.messages import Owner, RequestOutput, Retention
 from replica.sampling.grammar import Grammars
 from replica.sampling.params import SamplingParams
 from replica.sampling.sampler import Sample, Sampler
@@ -67,6 +67,7 @@ class Engine:
             config.enable_prefix_cache,
             config.protected_fraction,
             config.max_pinned_fraction,
+            config.tenant_kv_shares,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -110,6 +111,7 @@ class Engine:
         arrival_time: float | None = None,
         output_token_ids: abc.Sequence[int] = (),
         retention: Retention | None = None,
+        owner: Owner | None = None,
     ) -> None:
         """Queue a request. Raises ``InvalidRequestError`` if it can never be served.
 
@@ -117,7 +119,8 @@ class Engine:
         died): they are computed like the prompt (and hit the prefix cache where they can),
         but count as output, so generation, ``max_tokens`` and the sampler's positions go
         on exactly where they stopped. ``retention`` keeps its blocks for its session's next
-        turn once it finishes (``replica.engine.blocks.retention``)."""
+        turn once it finishes (``replica.engine.blocks.retention``). ``owner``: the tenant
+        whose share of the pool its blocks count in (``replica.engine.blocks.eviction``)."""
         params = params or SamplingParams()
         tokens, outputs = list(prompt_token_ids), list(output_token_ids)
         if request_id in self._seqs:
@@ -138,6 +141,9 @@ class Engine:
         seq.num_prompt_tokens = len(tokens)
         seq.grammar = grammar
         seq.retention = retention
+        if owner is not None:
+            seq.tenant = owner.tenant
+            self.block_manager.allocator.cached.set_weight(owner.tenant, owner.weight)
         if self.store is not None and params.prompt_logprobs is None:
             self.store.restore(self.kv, seq)
         self.block_manager.expect(seq)  # what it will hit outlives the prefills queued ahead

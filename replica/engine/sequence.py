@@ -50,6 +50,7 @@ class Sequence:
     last_token_time: float | None = None
     finish_reason: str | None = None
     retention: Retention | None = None  # keep its blocks for its session (choice 0 only)
+    tenant: str = ""  # its blocks, released, count in this tenant's share of the pool
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -63,6 +63,7 @@ class EngineStats:
     retention_renewed: int
     retention_expired: int
     retention_released_for_room: int
+    blocks_cached_by_tenant: dict[str, int]  # each tenant's cached blocks (its pool share)
     ttft_p50_s: float | None
     ttft_p99_s: float | None
     itl_p50_s: float | None
@@ -102,6 +103,7 @@ class EngineStats:
             retention_renewed=pins.renewed,
             retention_expired=pins.expired,
             retention_released_for_room=pins.released_for_room,
+            blocks_cached_by_tenant=scheduler.block_manager.allocator.cached.held_by(),
             ttft_p50_s=percentile(m.ttft_s, 50) if latencies else None,
             ttft_p99_s=percentile(m.ttft_s, 99) if latencies else None,
             itl_p50_s=percentile(m.itl_s, 50) if latencies else None,

@@ -1,4 +1,4 @@
-"""The node store's one shared-memory format (version 1), and what names a store.
+"""The node store's one shared-memory format (version 2), and what names a store.
 
 One file per (cluster, fingerprint) in the store directory (``/dev/shm`` by default):
 
@@ -15,7 +15,8 @@ even value when it is done; a reader keeps a copy only if ``seq`` was the same e
 before and after), ``used_ns`` (the last put or restore, ``CLOCK_MONOTONIC``: one clock
 for every process of a node), ``uses`` (1 on put, +1 per restore: the disk tier admits a
 block on its second use), ``flags`` (``VALID``, ``HAS_PARENT``, ``WRITTEN``: its pages
-exist), the block's hash and its parent's as two little-endian uint64 each, and its
+exist), ``owner`` (the tenant whose share of the store the block counts in, ``owner_id``;
+new in version 2), the block's hash and its parent's as two little-endian uint64 each, and its
 ``block_size`` token ids (uint32).
 
 The fingerprint (``fingerprint``) covers the format version, the model id, the block
@@ -40,7 +41,7 @@ from typing import Any
 import numpy as np
 
 MAGIC = b"PSKVSTOR"
-VERSION = 1
+VERSION = 2  # 2: the slot record's owner (a tenant's share of a set)
 HEADER_BYTES = 4096
 HEADER = struct.Struct("<8sIIIIQQQQ16sQ")
 # magic, version, block size, ways, (pad), sets, block bytes, meta at, data at,
@@ -61,6 +62,7 @@ def slot_dtype(block_size: int) -> np.dtype:
             ("used_ns", "<i8"),
             ("uses", "<i4"),
             ("flags", "<i4"),
+            ("owner", "<u4"),
             ("h0", "<u8"),
             ("h1", "<u8"),
             ("p0", "<u8"),
@@ -69,6 +71,16 @@ def slot_dtype(block_size: int) -> np.dtype:
         ],
         align=True,
     )
+
+
+def owner_id(tenant: str) -> int:
+    """A tenant's id in a slot record: 0 for the one tenant of a cluster without tenants
+    (``replica.engine.blocks.eviction.ONE_TENANT``), else 32 bits of a keyed digest of its
+    name (stable across processes and restarts, unlike ``hash``)."""
+    if not tenant:
+        return 0
+    digest = hashlib.blake2b(tenant.encode(), digest_size=4, person=b"store-owner").digest()
+    return int.from_bytes(digest, "little") or 1
 
 
 def split_hash(block_hash: bytes) -> tuple[int, int]:

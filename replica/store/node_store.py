@@ -159,10 +159,13 @@ class NodeStore:
         token_ids: Sequence[int],
         data: np.ndarray,
         keep_evicted_after_uses: int | None = None,
+        owner: int = 0,
     ) -> PutResult:
         """Store one block (its KV ``data``, uint8). A block already held is touched. The
-        set's LRU block makes room; with ``keep_evicted_after_uses``, the result carries
-        its bytes when it was used that often (the disk tier's admission)."""
+        set's LRU block of the owner holding the most of the set makes room (``_victim``);
+        with ``keep_evicted_after_uses``, the result carries its bytes when it was used that
+        often (the disk tier's admission). ``owner``: the tenant it counts for
+        (``layout.owner_id``)."""
         g = self.geometry
         if len(token_ids) != g.block_size or data.size != g.block_bytes:
             raise ValueError("a store block is one full block of this store's layout")
@@ -175,12 +178,12 @@ class NodeStore:
                 self.meta["used_ns"][lo + int(same[0])] = time.monotonic_ns()
                 self.counters.put_skipped += 1
                 return PutResult(False)
-            slot = lo + _victim(ways)
+            slot = lo + _victim(ways, owner)
             if not self.meta["flags"][slot] & WRITTEN and not self._has_room():
                 self.counters.full += 1
                 return PutResult(False)
             evicted, kept = self._victim_record(slot, keep_evicted_after_uses)
-            self._write(slot, (h0, h1), parent_hash, token_ids, data)
+            self._write(slot, (h0, h1), parent_hash, token_ids, data, owner)
         self.counters.puts += 1
         self.counters.evicted += evicted is not None
         return PutResult(True, evicted, kept)
@@ -209,6 +212,7 @@ class NodeStore:
         parent_hash: bytes | None,
         token_ids: Sequence[int],
         data: np.ndarray,
+        owner: int = 0,
     ) -> None:
         """Rewrite one slot under the seqlock (the caller holds the lock)."""
         meta = self.meta
@@ -221,6 +225,7 @@ class NodeStore:
         meta["p0"][slot], meta["p1"][slot] = p0, p1
         meta["tokens"][slot] = np.asarray(token_ids, np.uint32)
         meta["uses"][slot] = 1
+        meta["owner"][slot] = owner
         meta["used_ns"][slot] = time.monotonic_ns()
         meta["flags"][slot] = WRITTEN | VALID | (HAS_PARENT if parent_hash is not None else 0)
         meta["seq"][slot] = int(meta["seq"][slot]) + 1  # even: done
@@ -278,11 +283,18 @@ class NodeStore:
                 self._region.close()
 
 
-def _victim(ways: np.ndarray) -> int:
+def _victim(ways: np.ndarray, owner: int) -> int:
     """The way a put takes: a free one (a written one first: its pages exist), else the
-    least recently used."""
+    least recently used of the owner holding the most ways of the set, counting the new
+    block as ``owner``'s (so a tenant flooding the store replaces its own blocks once it
+    holds as many as any other, and never takes another tenant's below that). One owner:
+    the set's least recently used."""
     free = np.flatnonzero((ways["flags"] & VALID) == 0)
     if free.size:
         written = free[(ways["flags"][free] & WRITTEN) != 0]
         return int(written[0] if written.size else free[0])
-    return int(np.argmin(ways["used_ns"]))
+    owners, counts = np.unique(ways["owner"], return_counts=True)
+    counts = counts + (owners == owner)
+    heaviest = owners[counts == counts.max()]
+    candidates = np.flatnonzero(np.isin(ways["owner"], heaviest))
+    return int(candidates[np.argmin(ways["used_ns"][candidates])])

@@ -39,6 +39,7 @@ from replica.engine.blocks.prefix_cache import CacheEvents
 from replica.engine.faces import KVHandle
 from replica.kv.transfer import ExportedBlock, PrefixExport, import_prefix
 from replica.store.disk import DiskBlock, DiskTier
+from replica.store.layout import owner_id
 from replica.store.node_store import NodeStore
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ class SpillItem:
     block_hash: bytes
     parent_hash: bytes | None
     token_ids: tuple[int, ...]
+    owner: int = 0  # the tenant owning it in the pool (``layout.owner_id``)
 
 
 @dataclass
@@ -192,6 +194,7 @@ class StoreTier:
                 item.token_ids,
                 pool[item.block_id],
                 self.disk_after_uses if self.disk is not None else None,
+                item.owner,
             )
             if int(generations[item.block_id]) != item.generation:  # reused mid-copy
                 if result.stored:
@@ -290,5 +293,6 @@ def released_blocks(kv: KVHandle, blocks: Sequence[int]) -> list[SpillItem]:
         entry = cache.entry(block)
         parent = entry.parent.block_hash if entry.parent is not None else None
         generation = int(allocator.generations[block])
-        items.append(SpillItem(block, generation, entry.block_hash, parent, entry.token_ids))
+        owner = owner_id(allocator.cached.owner(block) or "")
+        items.append(SpillItem(block, generation, entry.block_hash, parent, entry.token_ids, owner))
     return items

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, MutableSequence, Sequence
 from typing import Protocol
+
+from replica.engine.blocks.eviction import ONE_TENANT, EvictionOrder
 
 
 class OutOfBlocksError(RuntimeError):
@@ -30,18 +32,21 @@ class BlockAllocator:
       needed, then evicted (below);
     * in use: ref count > 0.
 
-    Cached blocks are a segmented LRU: a block hit since it was computed (``mark_hit``) is
-    *protected*, one used only by the request that computed it is *on probation*, and
-    probation is evicted first, least recently released first. Protected blocks may fill
-    ``protected_fraction`` of the pool; beyond that the least recently released of them goes
-    back on probation (most recent there). A prompt seen once (most of a long-tailed
-    tenant mix) then passes through the pool without pushing out the prompts that come
-    back. A block copied in (a pull, a restore) is on probation like one computed here: the
-    request that brought it is its first use, not a hit (a pulled copy of a hot tenant's
-    prefix then does not crowd out the unique blocks around it). With
-    ``protected_fraction`` 0 it is plain LRU. A parent is never evicted before its
-    child: a child hit means its parent was hit, and a sequence releases its blocks tail
-    first, so in either segment the child is the older.
+    Cached blocks are a segmented LRU for each tenant (``replica.engine.blocks.eviction``):
+    a block hit since it was computed (``mark_hit``) is *protected*, one used only by the
+    request that computed it is *on probation*, and probation is evicted first, least
+    recently released first. Protected blocks may fill ``protected_fraction`` of the pool;
+    beyond that the least recently released of them goes back on probation (most recent
+    there). A prompt seen once (most of a long-tailed tenant mix) then passes through the
+    pool without pushing out the prompts that come back. With ``tenant_shares``, a victim
+    is taken only from the tenants at or over their weighted share of the cached blocks
+    (a block is owned by the tenant whose request released it last), so one tenant's flood
+    evicts its own blocks first. A block copied in (a pull, a restore) is on probation
+    like one computed here: the request that brought it is its first use, not a hit (a
+    pulled copy of a hot tenant's prefix then does not crowd out the unique blocks around
+    it). With ``protected_fraction`` 0 and one tenant it is plain LRU. Within one tenant a parent is
+    never evicted before its child: a child hit means its parent was hit, and a sequence
+    releases its blocks tail first, so in either segment the child is the older.
 
     Whether a block is published is known only to ``cache`` (one source of truth): a block
     released to ref count 0 becomes cached if the cache has it, free otherwise. ``allocate``
@@ -57,6 +62,7 @@ class BlockAllocator:
         block_size: int,
         cache: BlockCache | None = None,
         protected_fraction: float = 0.0,
+        tenant_shares: bool = True,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
@@ -70,11 +76,10 @@ class BlockAllocator:
         # can be reused: a peer copying the block checks it before and after (``transfer``)
         self.generations: MutableSequence[int] = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
-        self._probation: OrderedDict[int, None] = OrderedDict()  # LRU first: evicted first
-        self._protected: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self.max_protected = int(protected_fraction * num_blocks)
+        self.cached = EvictionOrder(self.max_protected, tenant_shares)
         self._hit = bytearray(num_blocks)  # hit since it was computed (``mark_hit``)
         self._copied = bytearray(num_blocks)  # copied in, not hit since (``mark_copied``)
-        self.max_protected = int(protected_fraction * num_blocks)
         # told of every block that becomes cached (the node store spills it: replica.store)
         self.on_cached: Callable[[int], None] | None = None
 
@@ -84,7 +89,7 @@ class BlockAllocator:
 
     @property
     def num_cached(self) -> int:
-        return len(self._probation) + len(self._protected)
+        return len(self.cached)
 
     @property
     def num_in_use(self) -> int:
@@ -100,7 +105,7 @@ class BlockAllocator:
 
     def eviction_order(self) -> list[int]:
         """Cached blocks, the next to be evicted first."""
-        return [*self._probation, *self._protected]
+        return self.cached.order()
 
     def mark_hit(self, block: int) -> None:
         """``block`` served a prefix hit: once released, it is protected (see the class).
@@ -122,9 +127,7 @@ class BlockAllocator:
         survive, is counted at admission). Children move before parents, so a parent stays
         the more recent and is still never evicted before its child."""
         for block in reversed(chain):
-            segment = self._segment(block)
-            if segment is not None:
-                segment.move_to_end(block)
+            self.cached.touch(block)
 
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks with ref count 1. Raises ``OutOfBlocksError`` (changing nothing)."""
@@ -133,7 +136,7 @@ class BlockAllocator:
         blocks = []
         while len(blocks) < n:
             if not self._free:
-                self.evict(self._next_victim())
+                self.evict(self.cached.victim())
             block = self._free.popleft()
             self.ref_counts[block] = 1
             self._hit[block] = self._copied[block] = 0  # whatever it held before is gone
@@ -143,20 +146,20 @@ class BlockAllocator:
     def share(self, block: int) -> None:
         """One more holder of a block in use, or revive a cached one (ref count 0 -> 1)."""
         if self.ref_counts[block] == 0:
-            segment = self._segment(block)
-            if segment is None:
+            if block not in self.cached:
                 raise ValueError(f"block {block} is free: only in-use or cached blocks are shared")
-            del segment[block]
+            self.cached.remove(block)
         self.ref_counts[block] += 1
 
-    def free(self, block: int) -> None:
-        """Drop one holder; at ref count 0 a published block becomes cached (most recent)."""
+    def free(self, block: int, tenant: str = ONE_TENANT) -> None:
+        """Drop one holder (a request of ``tenant``); at ref count 0 a published block
+        becomes cached (most recent), owned by ``tenant``."""
         if self.ref_counts[block] <= 0:
             raise ValueError(f"block {block} freed more often than held")
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
             if self.cache is not None and self.cache.is_published(block):
-                self._cache(block)
+                self.cached.add(block, tenant, bool(self._hit[block]))
                 if self.on_cached is not None:
                     self.on_cached(block)
             else:
@@ -165,9 +168,8 @@ class BlockAllocator:
     def evict(self, block: int) -> None:
         """Take one cached block's memory back: the cache forgets it and it becomes free.
         ``allocate`` evicts the first of ``eviction_order``; others are for resets and tests."""
-        segment = self._segment(block)
-        assert segment is not None and self.cache is not None, f"block {block} is not cached"
-        del segment[block]
+        assert block in self.cached and self.cache is not None, f"block {block} is not cached"
+        self.cached.remove(block)
         self.cache.evict(block)
         self.generations[block] += 1
         self._free.append(block)
@@ -175,24 +177,4 @@ class BlockAllocator:
     def evict_all(self) -> None:
         """Evict every cached block (a cache reset); blocks in use are untouched."""
         while self.num_cached:
-            self.evict(self._next_victim())
-
-    def _cache(self, block: int) -> None:
-        """A released published block joins its segment, most recent; protected ones beyond
-        ``max_protected`` go back on probation, least recent first."""
-        if not (self._hit[block] and self.max_protected):
-            self._probation[block] = None
-            return
-        self._protected[block] = None
-        while len(self._protected) > self.max_protected:
-            demoted, _ = self._protected.popitem(last=False)
-            self._probation[demoted] = None
-
-    def _segment(self, block: int) -> OrderedDict[int, None] | None:
-        """The cached segment holding ``block``; None if it is not cached."""
-        if block in self._probation:
-            return self._probation
-        return self._protected if block in self._protected else None
-
-    def _next_victim(self) -> int:
-        return next(iter(self._probation or self._protected))
+            self.evict(self.cached.victim())

@@ -15,7 +15,8 @@ def check_block_accounting(
     """Raise ``AssertionError`` naming every broken rule: free + cached + in use = total,
     every ref count equals the number of block tables and sessions' pins holding the block,
     waiting requests hold nothing, pins hold published blocks only and within their bound,
-    and exactly the published blocks that nobody holds are evictable."""
+    exactly the published blocks that nobody holds are evictable, each in one tenant's
+    segment."""
     alloc, cache = manager.allocator, manager.prefix_cache
     held = [0] * alloc.num_blocks
     for seq in running:
@@ -38,11 +39,10 @@ def check_block_accounting(
             cache is not None and cache.is_published(b) for b in pinned
         ),
         "the pins hold more than their bound": len(pinned) == pins.held <= pins.max_blocks,
-        "evictable blocks differ from the published blocks nobody holds": set(
-            alloc.eviction_order()
-        )
+        "evictable blocks differ from the published blocks nobody holds": set(alloc.cached.blocks())
         == published_idle,
     }
+    alloc.cached.check()  # segments and owners (``replica.engine.blocks.eviction``)
     broken = [name for name, ok in checks.items() if not ok]
     if broken:
         raise AssertionError("; ".join(broken))

@@ -45,6 +45,7 @@ class BlockManager:
         enable_prefix_cache: bool,
         protected_fraction: float = 0.0,
         max_pinned_fraction: float = 0.0,
+        tenant_shares: bool = True,
     ) -> None:
         if hasher.block_size != block_size:
             raise ValueError("hasher and block manager disagree on block_size")
@@ -52,7 +53,7 @@ class BlockManager:
         self.hasher = hasher
         self.prefix_cache = PrefixCache(hasher) if enable_prefix_cache else None
         self.allocator = BlockAllocator(
-            num_blocks, block_size, self.prefix_cache, protected_fraction
+            num_blocks, block_size, self.prefix_cache, protected_fraction, tenant_shares
         )
         self.pins = Pins(self.allocator, int(max_pinned_fraction * num_blocks))
         self._copies: list[tuple[int, int]] = []  # (src, dst) for the next forward pass
@@ -174,7 +175,7 @@ class BlockManager:
     def release(self, seq: Sequence) -> None:
         """Return a sequence's blocks. The tail goes first, so it is evicted first."""
         for block in reversed(seq.block_table):
-            self.allocator.free(block)
+            self.allocator.free(block, seq.tenant)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_published_blocks = 0

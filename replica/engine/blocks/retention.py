@@ -156,7 +156,7 @@ class Pins:
     def _release(self, session: str) -> None:
         pin = self._pins.pop(session)
         for block in reversed(pin.blocks):  # tail first: a child goes before its parent
-            self.allocator.free(block)
+            self.allocator.free(block, pin.tenant)
         self._by_tenant[pin.tenant] -= len(pin.blocks)
         if not self._by_tenant[pin.tenant]:
             del self._by_tenant[pin.tenant]
