@@ -71,11 +71,15 @@ class Admission:
             return -(-cluster // self.args.ingress_replicas)  # an even share
         return cluster - others
 
+    def engine_slots(self) -> int:
+        """The engines' slots for the whole cluster: replicas x ``max_ongoing_requests``."""
+        return self.engine_replicas() * self.args.max_ongoing_requests
+
     def engine_limit(self) -> int:
         """What this ingress may have in the engines now (the fair queue's capacity): their
         slots, replicas x ``max_ongoing_requests``, less the other ingresses' requests (an
         even share while they cannot be told)."""
-        slots = self.engine_replicas() * self.args.max_ongoing_requests
+        slots = self.engine_slots()
         if self.args.ingress_replicas == 1:
             return slots
         others = self.others()

@@ -61,6 +61,12 @@ class FairQueueConfig(BaseModel):
         "tenant under its share or a higher priority when the slots are full (the engine's "
         "max_num_seqs must leave room for them)",
     )
+    shared: bool = Field(
+        True,
+        description="with several ingress replicas, one queue for all of them: the order, the "
+        "tenants' shares and the slots kept in Redis (cluster.shared_queue); false: each "
+        "ingress orders its own requests over its share of the slots",
+    )
 
 
 class SessionsConfig(BaseModel):

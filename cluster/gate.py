@@ -6,7 +6,9 @@ Without ``fair_queue.enabled`` that queue is first come, first served, behind th
 cap (503 at once when the cluster is full: ``cluster.admission``). With it, requests are
 released by priority and by each tenant's weighted share of what they cost after the cache,
 and one that cannot start within its deadline is refused; a light tenant or a higher
-priority may start at once on an express slot (``cluster.fair_queue``).
+priority may start at once on an express slot (``cluster.fair_queue``). With several
+ingress replicas that order is one for all of them, kept in Redis
+(``cluster.shared_queue``; ``fair_queue.shared``).
 
 Why requests wait here and not in Serve's queue: Serve's router retries every request it
 holds (choose, probe the queue lengths, send, be rejected by the full replica, back off), so
@@ -38,6 +40,7 @@ from cluster.config import ClusterArgs
 from cluster.engine_stream import EngineStream
 from cluster.fair_queue import FairQueue, Ticket
 from cluster.quotas import Quotas, Taken
+from cluster.shared_queue import SharedFairQueue
 from cluster.tenants import Tenant, Tenants, bearer_key
 from replica.messages import EngineRequest
 from router.serve import link
@@ -107,6 +110,17 @@ class Gate:
         waiting = args.max_queued_requests if self.fair else -1
         express = admission.express_limit if self.fair else lambda: 0
         self.queue = FairQueue(admission.engine_limit, waiting, express=express)
+        self.shared = (  # one queue for every ingress replica, in Redis
+            SharedFairQueue(
+                args.index.url,
+                f"ps:{args.index.cluster}:fq",
+                admission.engine_slots,
+                self.queue,
+                waiting,
+            )
+            if self.fair and args.fair_queue.shared and args.ingress_replicas > 1
+            else None
+        )
         limited = any(r.limits.model_dump(exclude_none=True) for r in self.tenants.records.values())
         self.quotas = Quotas(args.index.url, f"ps:{args.index.cluster}") if limited else None
         self._settling: set[asyncio.Task[None]] = set()
@@ -147,7 +161,9 @@ class Gate:
         queued = api_metrics.TENANT_QUEUED.labels(tenant.name)
         queued.inc()
         try:
-            if self.fair:
+            if self.shared is not None:
+                ticket = await self.shared.enter(tenant, cost, count, self._deadline(http))
+            elif self.fair:
                 ticket = await self.queue.enter(tenant, cost, count, self._deadline(http))
             else:  # in arrival order, as long as it takes
                 ticket = await self.queue.enter(ARRIVAL, 0, count, None)
@@ -175,7 +191,10 @@ class Gate:
     ) -> None:
         cost = actual_cost(requests, streams)
         log_request(tenant, ticket, requests, streams, cost)
-        if self.fair:
+        if self.shared is not None:
+            self._spawn(self.shared.leave(ticket, cost))
+            api_metrics.TENANT_CHARGED.labels(ticket.tenant.name).inc(cost)
+        elif self.fair:
             self.queue.leave(ticket, cost)
             api_metrics.TENANT_CHARGED.labels(ticket.tenant.name).inc(cost)
         else:

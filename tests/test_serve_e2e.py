@@ -19,7 +19,7 @@ from streams import replica_pids
 from bench.harness.launcher import ServeCluster, cluster_env
 from bench.harness.private_ray import PrivateRay
 from bench.harness.redis_server import LocalRedis
-from cluster.config import ClusterArgs
+from cluster.config import ClusterArgs, FairQueueConfig
 from kvindex.config import IndexConfig
 from kvindex.reader import IndexReader
 from replica.pull_config import PullConfig
@@ -507,11 +507,18 @@ def test_two_ingress_replicas_are_one_in_metrics_and_admission(
 ) -> None:
     """Two ingress replicas with mirrors: a scrape of either shows both, labelled by
     ingress, and summed they count every request (tests/test_admission.py holds their
-    one admission cap)."""
+    one admission cap). With the fair queue on, both join one shared queue in Redis
+    (``cluster.shared_queue``): more requests at once than the engines' slots all finish,
+    some of them after waiting in it, and no slot stays counted."""
     cluster.stop()  # one cluster at a time on two cores
     index = IndexConfig(url=redis_server.url, cluster="e2e-two", mirror=True)
     args = cluster_args(redis_server.url, "prefill_cost").model_copy(
-        update={"index": index, "ingress_replicas": 2, "ingress_num_cpus": 0.05}
+        update={
+            "index": index,
+            "ingress_replicas": 2,
+            "ingress_num_cpus": 0.05,
+            "fair_queue": FairQueueConfig(enabled=True),
+        }
     )
     with ServeCluster(args, ray=ray) as two:
         two_client = openai.OpenAI(base_url=f"{two.base_url}/v1", api_key="x", max_retries=0)
@@ -534,3 +541,21 @@ def test_two_ingress_replicas_are_one_in_metrics_and_admission(
             assert time.monotonic() < deadline, (sent, per_ingress)
             time.sleep(1)
         assert "prefix_serve_replica_blocks_free{replica=" in text  # unlabelled, not doubled
+        _check_the_shared_queue(two_client, redis.Redis.from_url(redis_server.url))
+
+
+def _check_the_shared_queue(client: openai.OpenAI, store: redis.Redis) -> None:
+    """11 requests at once against 8 slots (2 replicas x 4) and 4 places in the queue."""
+    ns = "ps:e2e-two:fq"
+    waited_before = int(store.get(f"{ns}:arrivals") or 0)
+    with concurrent.futures.ThreadPoolExecutor(11) as pool:
+        answers = list(
+            pool.map(lambda i: chat(client, SYSTEM, f"queued {i}?", max_tokens=64), range(11))
+        )
+    assert all(len(a.choices[0].message.content or "") for a, _ in answers)
+    assert int(store.get(f"{ns}:arrivals") or 0) > waited_before  # some waited in Redis
+    assert len(list(store.scan_iter(f"{ns}:alive:*"))) == 2  # both ingresses joined
+    deadline = time.monotonic() + 5
+    while store.hlen(f"{ns}:inf") or store.zcard(f"{ns}:wait"):  # ends are recorded async
+        assert time.monotonic() < deadline, store.hgetall(f"{ns}:inf")
+        time.sleep(0.1)
