@@ -13,6 +13,7 @@ from bench.experiments import (
     engine,
     faults,
     index,
+    kv_shares,
     routing,
     scheduling,
     sessions,
@@ -38,6 +39,7 @@ EXPERIMENTS = {
     "simulate": (simulate, "the same policies and cache code on simulated replicas"),
     "autoscale": (autoscale, "replicas follow a rising and falling load: JSON, Markdown, PNG"),
     "tenants": (tenants, "a noisy neighbour: FIFO vs the fair queue, cost after cache, priority"),
+    "kv_shares": (kv_shares, "a tenant's flood against another's prefixes: KV shares or not"),
     "sessions": (sessions, "agent sessions: a session's blocks kept across tool calls or not"),
     "faults": (faults, "fault, overload and soak scenarios with a JSON and Markdown report"),
 }
