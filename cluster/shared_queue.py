@@ -79,8 +79,7 @@ class SharedFairQueue:
         if self._tasks:
             return
         await self._beat()
-        pubsub = self._redis.pubsub()
-        await pubsub.subscribe(f"{self.ns}:rel:{self.ingress}")
+        pubsub = await self._subscribe()
         self._tasks = [
             asyncio.create_task(self._listen(pubsub)),
             asyncio.create_task(self._beat_forever()),
@@ -177,10 +176,24 @@ class SharedFairQueue:
     async def _run(self, name: str, *args: object) -> list:
         return await self._scripts[name](args=[self.ns, *args])
 
+    async def _subscribe(self) -> redis.asyncio.client.PubSub:
+        pubsub = self._redis.pubsub()
+        await pubsub.subscribe(f"{self.ns}:rel:{self.ingress}")
+        return pubsub
+
     async def _listen(self, pubsub: redis.asyncio.client.PubSub) -> None:
-        async for message in pubsub.listen():
-            if message.get("type") == "message":
-                self._released(message["data"].decode())
+        """Wake the waiters released; subscribe again after a lost connection (meanwhile
+        the heartbeat finds the releases)."""
+        while True:
+            try:
+                async for message in pubsub.listen():
+                    if message.get("type") == "message":
+                        self._released(message["data"].decode())
+            except RedisError as exc:
+                log.warning("shared fair queue: releases unheard (%s); subscribing again", exc)
+                await asyncio.sleep(BEAT_S)
+                with contextlib.suppress(RedisError):
+                    pubsub = await self._subscribe()
 
     def _released(self, member: str) -> None:
         future = self._waiters.get(member)

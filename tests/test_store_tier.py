@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 
 import numpy as np
 import pytest
 from conftest import tiny
 
 from replica.engine.engine import Engine
+from replica.messages import Retention
 from replica.model.runner import build_engine
 from replica.sampling.params import SamplingParams
 from replica.store.disk import DiskTier
@@ -195,3 +197,46 @@ def test_a_ticket_is_spilled_once_every_spill_handed_over_before_it_is_stored() 
     assert tier.spilled(ticket) and tier.counters.spill_wait_timeouts == 0
     neighbour = with_tier(config, store)
     assert served(neighbour).num_cached_tokens == 8 * BS  # all of it, from the store
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_session_released_early_for_room_stays_in_the_store_until_its_ttl(kept: bool) -> None:
+    """A session's pin (6 of the prompt's 8 blocks: ``max_pinned_fraction`` 0.5 of 12)
+    yields to a prompt that cannot fit beside it, which reuses most of them in that very
+    step. Kept: their rows are copied into a one-set store of 8 ways before that, marked
+    kept until the pin's TTL, so the flood of other prompts replaces only the other ways and
+    the session's next turn restores its 6 blocks. Not kept: only the 2 blocks the pool did
+    not reuse at once reach the store, and the next turn gets those 2."""
+    config = tiny(num_blocks=12, max_pinned_fraction=0.5)
+    store = node_store(config, sets=1, ways=8)
+    engine = with_tier(config, store)
+    if not kept:
+        engine.block_manager.pins.on_early_release = None
+    engine.add_request("turn1", PROMPT, GREEDY, retention=Retention("t:s", "t", 60.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_manager.pins.held == 6
+    for other in OTHERS:
+        served(engine, other)
+    assert engine.stats().retention_released_for_room == 1
+    pinned = engine.hasher.chain(PROMPT, None)[:6]
+    stored = [store.find(h) is not None for h in pinned]
+    again = served(engine)
+    assert stored == [True] * 6 if kept else [True, True] + [False] * 4
+    assert again.num_cached_tokens == (6 if kept else 2) * BS
+    store.check()
+
+
+def test_a_set_whose_every_way_is_kept_refuses_a_put_until_the_keep_passes() -> None:
+    store = NodeStore.anonymous(StoreGeometry(4, 8, 1, 2), fingerprint("m", 4, b"", ("u8", (8,))))
+    soon = time.monotonic_ns() + 200_000_000
+
+    def put(i: int, keep: int = 0) -> bool:
+        return store.put(
+            bytes([i]) * 16, None, [i] * 4, np.zeros(8, np.uint8), keep_until_ns=keep
+        ).stored
+
+    assert put(0, soon) and put(1, soon)
+    assert not put(9) and store.counters.kept_full == 1
+    time.sleep(0.25)
+    assert put(9)

@@ -77,6 +77,11 @@ class KVHandle:
         """Hear of every published block whose last holder releases it (the tier's spill)."""
         self.allocator.on_cached = listener
 
+    def on_early_unpin(self, listener: Callable[[str, list[int], float], None]) -> None:
+        """Hear of a session's blocks released before their TTL: its tenant, its blocks,
+        its expiry on ``time.monotonic``'s clock (``replica.engine.blocks.retention``)."""
+        self.manager.pins.on_early_release = listener
+
 
 class SecondTier(Protocol):
     """A second cache tier as the engine uses it; it sees the engine's KV only through

@@ -16,7 +16,9 @@ before and after), ``used_ns`` (the last put or restore, ``CLOCK_MONOTONIC``: on
 for every process of a node), ``uses`` (1 on put, +1 per restore: the disk tier admits a
 block on its second use), ``flags`` (``VALID``, ``HAS_PARENT``, ``WRITTEN``: its pages
 exist), ``owner`` (the tenant whose share of the store the block counts in, ``owner_id``;
-new in version 2), the block's hash and its parent's as two little-endian uint64 each, and its
+new in version 2), ``keep_until_ns`` (a session's retention: no put replaces the block
+before then, same clock as ``used_ns``; 0: none; new in version 2), the block's hash and
+its parent's as two little-endian uint64 each, and its
 ``block_size`` token ids (uint32).
 
 The fingerprint (``fingerprint``) covers the format version, the model id, the block
@@ -41,7 +43,7 @@ from typing import Any
 import numpy as np
 
 MAGIC = b"PSKVSTOR"
-VERSION = 2  # 2: the slot record's owner (a tenant's share of a set)
+VERSION = 2  # 2: the slot record's owner (a tenant's share of a set) and keep_until_ns
 HEADER_BYTES = 4096
 HEADER = struct.Struct("<8sIIIIQQQQ16sQ")
 # magic, version, block size, ways, (pad), sets, block bytes, meta at, data at,
@@ -55,7 +57,7 @@ FILE_PREFIX = "prefix-serve-store-"
 
 
 def slot_dtype(block_size: int) -> np.dtype:
-    """One slot's record (64 bytes plus 4 per token, 8-byte aligned)."""
+    """One slot's record (72 bytes plus 4 per token, 8-byte aligned)."""
     return np.dtype(
         [
             ("seq", "<i8"),
@@ -63,6 +65,7 @@ def slot_dtype(block_size: int) -> np.dtype:
             ("uses", "<i4"),
             ("flags", "<i4"),
             ("owner", "<u4"),
+            ("keep_until_ns", "<i8"),
             ("h0", "<u8"),
             ("h1", "<u8"),
             ("p0", "<u8"),
@@ -199,6 +202,7 @@ class StoreCounters:
     put_skipped: int = 0  # already held (touched instead)
     evicted: int = 0  # blocks a put replaced
     full: int = 0  # puts refused: no free memory for new pages
+    kept_full: int = 0  # puts refused: every way of the set kept for a session
     hits: int = 0  # blocks found and read intact
     torn: int = 0  # blocks found, then changed mid-read
 

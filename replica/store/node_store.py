@@ -2,7 +2,9 @@
 reads and writes, and that outlives any one of them (format: ``replica.store.layout``).
 
 It is a set-associative cache: a block lives in one of the ``ways`` slots of the set its
-hash picks, and a put into a full set replaces that set's least recently used block. No
+hash picks, and a put into a full set replaces one of that set's blocks: the least
+recently used of the tenant holding the most of the set, never one a session keeps
+(``replica.store.victim``). No
 index beside the slots (nothing to rebuild or tear), no tombstones, and a lookup reads
 ``ways`` records.
 
@@ -55,6 +57,7 @@ from replica.store.layout import (
     split_hash,
     write_header,
 )
+from replica.store.victim import victim_way
 
 __all__ = ["NodeStore", "StoreGeometry", "StoredBlock", "read_header", "write_header"]
 
@@ -160,12 +163,14 @@ class NodeStore:
         data: np.ndarray,
         keep_evicted_after_uses: int | None = None,
         owner: int = 0,
+        keep_until_ns: int = 0,
     ) -> PutResult:
         """Store one block (its KV ``data``, uint8). A block already held is touched. The
         set's LRU block of the owner holding the most of the set makes room (``_victim``);
         with ``keep_evicted_after_uses``, the result carries its bytes when it was used that
         often (the disk tier's admission). ``owner``: the tenant it counts for
-        (``layout.owner_id``)."""
+        (``layout.owner_id``); ``keep_until_ns``: no put replaces it before then (a
+        session's retention; a set whose every way is kept refuses the put)."""
         g = self.geometry
         if len(token_ids) != g.block_size or data.size != g.block_bytes:
             raise ValueError("a store block is one full block of this store's layout")
@@ -175,15 +180,23 @@ class NodeStore:
             ways = self.meta[lo : lo + g.ways]
             same = np.flatnonzero((ways["h0"] == h0) & (ways["h1"] == h1) & (ways["flags"] & VALID))
             if same.size:
-                self.meta["used_ns"][lo + int(same[0])] = time.monotonic_ns()
+                held = lo + int(same[0])
+                self.meta["used_ns"][held] = time.monotonic_ns()
+                keep = max(int(self.meta["keep_until_ns"][held]), keep_until_ns)
+                self.meta["keep_until_ns"][held] = keep
                 self.counters.put_skipped += 1
                 return PutResult(False)
-            slot = lo + _victim(ways, owner)
+            way = victim_way(ways, owner, time.monotonic_ns())
+            if way < 0:
+                self.counters.kept_full += 1
+                return PutResult(False)
+            slot = lo + way
             if not self.meta["flags"][slot] & WRITTEN and not self._has_room():
                 self.counters.full += 1
                 return PutResult(False)
             evicted, kept = self._victim_record(slot, keep_evicted_after_uses)
             self._write(slot, (h0, h1), parent_hash, token_ids, data, owner)
+            self.meta["keep_until_ns"][slot] = keep_until_ns
         self.counters.puts += 1
         self.counters.evicted += evicted is not None
         return PutResult(True, evicted, kept)
@@ -281,20 +294,3 @@ class NodeStore:
         with contextlib.suppress(BufferError, ValueError):
             if isinstance(self._region, mmap.mmap):
                 self._region.close()
-
-
-def _victim(ways: np.ndarray, owner: int) -> int:
-    """The way a put takes: a free one (a written one first: its pages exist), else the
-    least recently used of the owner holding the most ways of the set, counting the new
-    block as ``owner``'s (so a tenant flooding the store replaces its own blocks once it
-    holds as many as any other, and never takes another tenant's below that). One owner:
-    the set's least recently used."""
-    free = np.flatnonzero((ways["flags"] & VALID) == 0)
-    if free.size:
-        written = free[(ways["flags"][free] & WRITTEN) != 0]
-        return int(written[0] if written.size else free[0])
-    owners, counts = np.unique(ways["owner"], return_counts=True)
-    counts = counts + (owners == owner)
-    heaviest = owners[counts == counts.max()]
-    candidates = np.flatnonzero(np.isin(ways["owner"], heaviest))
-    return int(candidates[np.argmin(ways["used_ns"][candidates])])

@@ -30,7 +30,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -39,25 +39,13 @@ from replica.engine.blocks.prefix_cache import CacheEvents
 from replica.engine.faces import KVHandle
 from replica.kv.transfer import ExportedBlock, PrefixExport, import_prefix
 from replica.store.disk import DiskBlock, DiskTier
-from replica.store.layout import owner_id
 from replica.store.node_store import NodeStore
+from replica.store.spill_items import SpillItem, published_blocks, released_blocks
 
 if TYPE_CHECKING:
     from replica.engine.sequence import Sequence as Sequence_
 
 log = logging.getLogger("ray.serve")
-
-
-@dataclass(frozen=True)
-class SpillItem:
-    """A released block, as the engine saw it: where it is, its generation, what it holds."""
-
-    block_id: int
-    generation: int
-    block_hash: bytes
-    parent_hash: bytes | None
-    token_ids: tuple[int, ...]
-    owner: int = 0  # the tenant owning it in the pool (``layout.owner_id``)
 
 
 @dataclass
@@ -103,8 +91,26 @@ class StoreTier:
 
     def attach(self, kv: KVHandle) -> None:
         """Be the tier of ``kv``'s engine: hear of every block its pool releases to the
-        cache."""
+        cache, and of every session's blocks released before their TTL (kept in the store
+        until then: ``keep_session``)."""
         kv.on_release(self._released.append)
+        kv.on_early_unpin(lambda *pin: self.keep_session(kv, *pin))
+
+    def keep_session(self, kv: KVHandle, tenant: str, blocks: list[int], expires_at: float) -> None:
+        """A session's pin is released before its TTL to make room: the pool will reuse
+        its blocks at once, before this step's spill could copy them. So their rows are
+        copied now, while the pin still holds them, and stored kept until ``expires_at``
+        (``time.monotonic`` seconds: the store's clock) so its next turn restores them."""
+        items = published_blocks(kv, blocks, tenant)
+        if not items:
+            return
+        rows = kv.rows()[[item.block_id for item in items]]  # a copy (fancy indexing)
+        until = int(expires_at * 1e9)
+        kept = [
+            replace(item, block_id=k, generation=0, keep_until_ns=until)
+            for k, item in enumerate(items)
+        ]
+        self.spill(kept, rows, np.zeros(len(kept), np.int64))
 
     def after_step(self, kv: KVHandle) -> None:
         """Hand the blocks released in the step to the spiller (the step's end)."""
@@ -195,6 +201,7 @@ class StoreTier:
                 pool[item.block_id],
                 self.disk_after_uses if self.disk is not None else None,
                 item.owner,
+                item.keep_until_ns,
             )
             if int(generations[item.block_id]) != item.generation:  # reused mid-copy
                 if result.stored:
@@ -280,19 +287,3 @@ class StoreTier:
         self.counters.restored_disk_blocks += result.imported
         self.counters.restore_rejected += len(found) - result.imported
         return result.imported
-
-
-def released_blocks(kv: KVHandle, blocks: Sequence[int]) -> list[SpillItem]:
-    """What to spill of ``blocks`` (released this step): those still cached, published."""
-    allocator, cache = kv.allocator, kv.cache
-    assert cache is not None  # a tier needs the prefix cache (``build_tier``)
-    items = []
-    for block in dict.fromkeys(blocks):
-        if allocator.ref_counts[block] or not cache.is_published(block):
-            continue  # revived or evicted since: held, or gone
-        entry = cache.entry(block)
-        parent = entry.parent.block_hash if entry.parent is not None else None
-        generation = int(allocator.generations[block])
-        owner = owner_id(allocator.cached.owner(block) or "")
-        items.append(SpillItem(block, generation, entry.block_hash, parent, entry.token_ids, owner))
-    return items

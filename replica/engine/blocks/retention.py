@@ -17,7 +17,9 @@ the scheduler releases one rather than preempt a running request, or rather than
 request waiting when nothing runs that could free blocks. A flood of other requests evicts
 cached blocks, never pinned ones, as long as what runs at once fits beside the pins.
 Released blocks become cached like any other (and spill to the node store), so an expired
-session may still hit.
+session may still hit. A pin released early (for room, before its TTL) tells
+``on_early_release`` its tenant, blocks and expiry: the node store keeps them there until then
+(``replica.store.tier``), so the session's next turn restores what the pool gave up.
 
 Invariants: every pin's blocks are a prefix of published blocks, each held once by the pin;
 ``held`` is the sum of the pins' lengths and never exceeds ``max_blocks``; a block is freed
@@ -77,6 +79,9 @@ class Pins:
         self._soonest = math.inf
         self.held = 0
         self.counters = RetentionCounters()
+        # told (tenant, blocks, expiry) of a pin released before its TTL (the node store
+        # keeps them until then)
+        self.on_early_release: Callable[[str, list[int], float], None] | None = None
 
     def __len__(self) -> int:
         return len(self._pins)
@@ -118,7 +123,7 @@ class Pins:
         if not self._pins:
             return False
         top = max(self._by_tenant, key=lambda t: self._by_tenant[t])
-        self._release(next(s for s, p in self._pins.items() if p.tenant == top))
+        self._release(next(s for s, p in self._pins.items() if p.tenant == top), early=True)
         self.counters.released_for_room += 1
         return True
 
@@ -150,11 +155,13 @@ class Pins:
             load[tenant] += needed
             top = max((t for t in load if self._by_tenant[t] > 0), key=lambda t: load[t])
             victim = next(s for s, p in self._pins.items() if p.tenant == top)
-            self._release(victim)
+            self._release(victim, early=True)
             self.counters.released_for_room += 1
 
-    def _release(self, session: str) -> None:
+    def _release(self, session: str, early: bool = False) -> None:
         pin = self._pins.pop(session)
+        if early and self.on_early_release is not None:
+            self.on_early_release(pin.tenant, pin.blocks, pin.expires_at)
         for block in reversed(pin.blocks):  # tail first: a child goes before its parent
             self.allocator.free(block, pin.tenant)
         self._by_tenant[pin.tenant] -= len(pin.blocks)
