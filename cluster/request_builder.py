@@ -52,7 +52,7 @@ class RequestBuilder:
         salt = self.cache_salt(body, request, tenant)
         params = self.sampling_params(body, max_tokens)
         keep = self.retention(body, request, tenant) if len(prompts) == 1 else None
-        owner = Owner(tenant.name, tenant.weight)
+        owner = Owner(tenant.name, tenant.weight, tenant.priority)
         return [self._engine_request(ids, text, params, salt, keep, owner) for ids, text in prompts]
 
     def tenant(self, request: Request) -> Tenant:

@@ -12,7 +12,9 @@ waiting starts at once; otherwise it waits as a member of the shared order, and 
 request ends anywhere the script releases the heads that fit and publishes each to its
 ingress, which wakes the waiter. A second's heartbeat renews the ingress (an ingress that
 dies stops counting once its key expires, and its waiters are dropped), releases what
-fits, and finds a release whose message was lost.
+fits, and finds a release whose message was lost. An ingress silent for ``ALIVE_MS`` is
+dropped: a dropped waiter is let through when its ingress notices (as if released), so an
+ingress that stalls that long may overfill the slots once, never hold them forever.
 
 Not in the shared order: express slots (none are lent: they need every ingress's view of
 who runs what, which this order does not keep) and the wait estimate (a waiter is refused
@@ -40,7 +42,7 @@ from cluster.tenants import Tenant
 
 log = logging.getLogger("ray.serve")
 BEAT_S = 1.0  # how often an ingress renews itself and looks for lost releases
-ALIVE_MS = 5_000  # an ingress silent this long is dropped
+ALIVE_MS = 15_000  # an ingress silent this long is dropped (its requests, its waiters)
 
 
 class SharedFairQueue:
@@ -68,6 +70,7 @@ class SharedFairQueue:
         self._waiters: dict[str, asyncio.Future[None]] = {}
         self._early: set[str] = set()  # released before their waiter was registered
         self._tasks: list[asyncio.Task[None]] = []
+        self._starting: asyncio.Future[None] | None = None
         self.fallbacks = 0  # requests queued locally because Redis failed
 
     @property
@@ -75,9 +78,13 @@ class SharedFairQueue:
         return len(self._waiters) + self.local.waiting
 
     async def start(self) -> None:
-        """Announce this ingress and start hearing its releases (before the first enter)."""
-        if self._tasks:
-            return
+        """Announce this ingress and start hearing its releases (before the first enter;
+        once, however many requests arrive meanwhile; again after a failed try)."""
+        if self._starting is None or (self._starting.done() and self._starting.exception()):
+            self._starting = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._starting)
+
+    async def _start(self) -> None:
         await self._beat()
         pubsub = await self._subscribe()
         self._tasks = [

@@ -114,6 +114,12 @@ class EngineConfig(BaseModel):
         "a retention hint: README 'Sessions'); beyond it the oldest pins of the tenant "
         "holding the most go first",
     )
+    priority_prefill: bool = Field(
+        True,
+        description="while a prompt of a higher priority (the tenant's) is still to compute, "
+        "only prompts of that priority get prefill budget and admission; running decodes "
+        "all go on (README 'Tenants'); false: arrival order",
+    )
     tenant_kv_shares: bool = Field(
         True,
         description="evict cached blocks from the tenants over their weighted share of the "

@@ -26,12 +26,14 @@ class Retention:
 
 @dataclass(frozen=True)
 class Owner:
-    """Whose share of the pool a request's blocks count in once it releases them
-    (``replica.engine.blocks.eviction``): its tenant ("": a cluster without tenants) and the
-    tenant's weight."""
+    """Whose request it is, as the engine needs to know: its tenant ("": a cluster without
+    tenants) and the tenant's weight, whose share of the pool its blocks count in once it
+    releases them (``replica.engine.blocks.eviction``), and its priority (a prompt of a
+    higher priority is computed before those of lower ones: ``replica.engine.scheduler``)."""
 
     tenant: str = ""
     weight: float = 1.0
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.weight <= 0:

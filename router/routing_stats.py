@@ -68,6 +68,7 @@ _REPLICA_KEYS = (
     "store_spill_wait_seconds",
     "store_spill_wait_timeouts",
     "store_blocks",
+    "store_kept_full",
 )
 REPLICA_GAUGES = {
     key: Gauge(f"prefix_serve_replica_{key}", f"Engine replica {key} (routing stats)", ["replica"])

@@ -25,6 +25,7 @@ from replica.checkpoints import SMOLLM2, checkpoint_for
 from replica.config import EngineConfig
 from replica.engine.engine import Engine
 from replica.engine.step import ScheduledBatch
+from replica.messages import Owner
 from replica.model.cpu import resolve_dtype
 from replica.model.runner import ModelRunner
 from replica.sampling.params import SamplingParams, StructuredOutput
@@ -126,6 +127,33 @@ def test_batched_with_prefills_and_decodes_in_one_step(runner, prompts, alone, d
                 engine.add_request(rid, p, GREEDY)
         finished |= {o.request_id: o for o in engine.step() if o.finished}
     assert any(b.num_decodes and b.num_prefill_tokens for b in digests.batches)
+    assert_same([(finished[r].token_ids, digests.rows[r]) for r in ids], alone)
+
+
+@pytest.mark.parametrize("dtype", [SERVED])
+def test_urgent_prompts_computed_first_change_nothing(runner, prompts, alone, dtype) -> None:
+    """Prompts 4-7 arrive at priority 5 while 0-3 (priority 0) are being prefilled in
+    chunks: theirs are computed first, the others' chunks wait (``replica.engine.scheduler``),
+    and every token and logits row is still the one of the prompt alone."""
+    engine, digests = engine_with(
+        runner, num_blocks=768, max_num_batched_tokens=64, enable_prefix_cache=False
+    )
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids[:4], prompts[:4], strict=True):
+        engine.add_request(rid, p, GREEDY)
+    finished = {}
+    while len(finished) < len(ids):
+        if len(digests.batches) == 2:
+            for rid, p in zip(ids[4:], prompts[4:], strict=True):
+                engine.add_request(rid, p, GREEDY, owner=Owner("urgent", priority=5))
+        finished |= {o.request_id: o for o in engine.step() if o.finished}
+    urgent_only = [
+        b
+        for b in digests.batches[2:]
+        if any(q.priority == 5 for q in b.seqs)
+        and all(q.priority == 5 or n == 1 for q, n in zip(b.seqs, b.num_new_tokens, strict=True))
+    ]
+    assert len(urgent_only) > 4  # steps that computed urgent prompts and only decoded others
     assert_same([(finished[r].token_ids, digests.rows[r]) for r in ids], alone)
 
 

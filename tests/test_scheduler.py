@@ -343,3 +343,32 @@ def test_without_chunking_a_prompt_scored_whole_runs_in_one_step_despite_a_cache
     s.add(scored)
     batch = step(s)
     assert batch.seqs == [scored] and batch.num_new_tokens == [12]
+
+
+def test_a_higher_priority_prompt_shares_its_steps_with_decodes_only() -> None:
+    """Two low-priority prompts are being chunked and one low request decodes when an
+    urgent one arrives: from the next step only its chunks (and the decode) run, ahead of
+    an older low-priority request still waiting; once its prompt is computed the others
+    resume. With equal priorities the order is the arrival order."""
+    s = scheduler(num_blocks=64, budget=3 * BS, max_num_seqs=5)
+    low = [seq(f"low{i}", list(range(100 * i, 100 * i + 9 * BS)), max_tokens=8) for i in range(2)]
+    decoding = seq("dec", [7] * 3)
+    for q in (decoding, *low):
+        s.add(q)
+    step(s)  # dec's prompt whole, then low0's first chunk
+    waiting_low = seq("low-late", list(range(500, 500 + 2 * BS)))
+    urgent = seq("urgent", list(range(900, 900 + 5 * BS)))
+    urgent.priority = 5
+    s.add(waiting_low)
+    s.add(urgent)
+    plans = []
+    while urgent.num_computed_tokens < urgent.num_prompt_tokens:
+        batch = step(s)
+        plans.append(
+            {q.request_id: n for q, n in zip(batch.seqs, batch.num_new_tokens, strict=True)}
+        )
+    assert plans == [{"dec": 1, "urgent": 3 * BS - 1}, {"dec": 1, "urgent": 2 * BS + 1}]
+    assert waiting_low.status is SequenceStatus.WAITING  # it came first, it still waits
+    batch = step(s)  # both decode (the urgent one first), and the low prompts go on
+    ran = {q.request_id: n for q, n in zip(batch.seqs, batch.num_new_tokens, strict=True)}
+    assert ran["dec"] == ran["urgent"] == 1 and ran["low0"] > 0

@@ -4,7 +4,9 @@ On the real cluster (2 engine replicas, Redis, the ingress, over HTTP with each 
 key), for each mode (``fifo``: ``fair_queue`` off, requests beyond the engines' slots wait
 at the ingress in arrival order; ``fair``: the fair queue without express slots;
 ``express``: the fair queue with ``--express-slots`` per replica lent to a light tenant or a
-higher priority) these phases, one after another on one cluster:
+higher priority; ``express_flat``: the same with the engines' ``priority_prefill`` off, so
+a higher priority's prompt shares its steps with the flood's prompts) these phases, one
+after another on one cluster:
 
 * ``b_alone``: tenant B alone at ``--light`` x capacity (its TTFT with nobody else);
 * ``noisy``: the same B trace while tenant A floods at ``--flood`` x capacity;
@@ -52,7 +54,7 @@ from replica.config import EngineConfig
 
 KEYS = {"a": "sk-tenant-a", "b": "sk-tenant-b", "lo": "sk-tenant-lo", "hi": "sk-tenant-hi"}
 PRIORITY = {"hi": 5}
-MODES = ("fifo", "fair", "express")
+MODES = ("fifo", "fair", "express", "express_flat")
 Phase = dict[str, tuple[str, list[TraceRequest]]]
 
 
@@ -111,14 +113,14 @@ def cluster_args(
     ]
     return ClusterArgs(
         num_replicas=2,
-        engine=engine,
+        engine=engine.model_copy(update={"priority_prefill": mode != "express_flat"}),
         max_ongoing_requests=args.max_ongoing,
         max_queued_requests=-1,  # FIFO holds everything; the fair queue refuses by deadline
         api_keys=list(keys),
         fair_queue={
             "enabled": mode != "fifo",
             "deadline_s": args.deadline,
-            "express_slots": args.express_slots if mode == "express" else 0,
+            "express_slots": args.express_slots if mode.startswith("express") else 0,
         },
         index=IndexConfig(url=url, cluster=f"tenants-{os.getpid()}-{time.monotonic_ns()}"),
     )

@@ -33,7 +33,7 @@ def fork_choices(
             parent.arrival_time,
         )
         child.index, child.parent_id = index, parent.request_id
-        child.tenant = parent.tenant
+        child.tenant, child.priority = parent.tenant, parent.priority
         child.first_token_time = parent.first_token_time
         child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
         child.num_computed_tokens = parent.num_prompt_tokens

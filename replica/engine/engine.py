@@ -75,6 +75,7 @@ class Engine:
             config.max_num_batched_tokens,
             config.enable_chunked_prefill,
             config.decode_reserve,
+            config.priority_prefill,
         )
         self.runner = runner
         # its blocks as KV moves between engines and tiers (``faces.KVHandle``); a runner
@@ -120,7 +121,8 @@ class Engine:
         but count as output, so generation, ``max_tokens`` and the sampler's positions go
         on exactly where they stopped. ``retention`` keeps its blocks for its session's next
         turn once it finishes (``replica.engine.blocks.retention``). ``owner``: the tenant
-        whose share of the pool its blocks count in (``replica.engine.blocks.eviction``)."""
+        whose share of the pool its blocks count in (``replica.engine.blocks.eviction``),
+        and the request's priority (``replica.engine.scheduler``)."""
         params = params or SamplingParams()
         tokens, outputs = list(prompt_token_ids), list(output_token_ids)
         if request_id in self._seqs:
@@ -142,7 +144,7 @@ class Engine:
         seq.grammar = grammar
         seq.retention = retention
         if owner is not None:
-            seq.tenant = owner.tenant
+            seq.tenant, seq.priority = owner.tenant, owner.priority
             self.block_manager.allocator.cached.set_weight(owner.tenant, owner.weight)
         if self.store is not None and params.prompt_logprobs is None:
             self.store.restore(self.kv, seq)

@@ -17,6 +17,13 @@ instead of stalling every running stream. Where we differ from vLLM, and why:
   prompt being chunked never stalls mid-way for memory.
 * Preemption is the last resort, newest first, by recompute; a preempted request's full
   blocks stay in the prefix cache, so it resumes from whatever of them survived.
+* Priorities (``Sequence.priority``, the tenant's: ``replica.messages.Owner``): while a
+  prompt of a higher priority is still to be computed (running or waiting), only prompts
+  of that priority get prefill budget and admission; every running decode still runs. So
+  an urgent request's prefill shares its steps with decodes only, not with the chunks of
+  the prompts that saturate the engine (vLLM's priority scheduling orders the waiting
+  queue and preempts; on a CPU the step's length is the cost, so we keep the steps short
+  instead). With one priority nothing changes.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         chunked_prefill: bool = True,
         decode_reserve: bool = True,
+        priorities: bool = True,
     ) -> None:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs")
@@ -55,6 +63,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
         self.decode_reserve = decode_reserve
+        self.priorities = priorities
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.reserve_ratio = _RATIO_START
@@ -105,11 +114,13 @@ class Scheduler:
         preempts the newest running request not yet scheduled (itself, if it is the
         newest)."""
         order = {id(s): i for i, s in enumerate(self.running)}
-        pending = sorted(self.running, key=lambda s: not _decoding(s))  # stable: oldest first
+        top = self.prefill_priority()
+        # decodes first, then prompts by priority; stable: oldest first within each
+        pending = sorted(self.running, key=lambda s: (not _decoding(s), -self._priority(s)))
         while pending:
             seq = pending.pop(0)
             if not _decoding(seq):
-                if budget > 0:
+                if budget > 0 and self._priority(seq) >= top:
                     n = self.block_manager.schedule_chunk(seq, budget)
                     batch.add(seq, n)
                     budget -= n
@@ -129,11 +140,23 @@ class Scheduler:
                 budget -= 1
         return budget
 
+    def prefill_priority(self) -> int:
+        """The highest priority of the prompts still to compute, running or waiting: only
+        prompts of that priority get prefill budget this step (the module docstring)."""
+        if not self.priorities:
+            return 0
+        prefilling = [s.priority for s in self.running if not _decoding(s)]
+        return max([*prefilling, *(s.priority for s in self.waiting)], default=0)
+
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        """FIFO admission while budget, sequence slots and the reserve allow."""
+        """Admission in arrival order within the highest priority waiting (no lower one
+        while a higher prompt is still being computed), while budget, sequence slots and
+        the reserve allow."""
         first = True
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
-            seq = self.waiting[0]
+            seq = max(self.waiting, key=self._priority)  # the first of the highest
+            if self._priority(seq) < self.prefill_priority():
+                break
             allowed = budget
             if not self.chunked_prefill:  # whole prompts only; the step's first may overrun
                 remaining = seq.num_tokens - self.block_manager.cached_prefix_tokens(seq)
@@ -145,12 +168,15 @@ class Scheduler:
                 if not self.running and self.block_manager.pins.yield_one():
                     continue  # nothing runs that would free blocks: the pins make room
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, num_new)
             budget -= num_new
             first = False
+
+    def _priority(self, seq: Sequence) -> int:
+        return seq.priority if self.priorities else 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -51,6 +51,7 @@ class Sequence:
     finish_reason: str | None = None
     retention: Retention | None = None  # keep its blocks for its session (choice 0 only)
     tenant: str = ""  # its blocks, released, count in this tenant's share of the pool
+    priority: int = 0  # its prompt is computed before those of lower priorities
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

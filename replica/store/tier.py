@@ -143,6 +143,7 @@ class StoreTier:
             "store_hits": store.hits,
             "store_torn": store.torn,
             "store_full": store.full,
+            "store_kept_full": store.kept_full,
             "store_blocks": self.store.num_blocks,
             "store_capacity": self.store.geometry.num_slots,
         }
