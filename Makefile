@@ -202,6 +202,9 @@ bench: install install-vllm
 	$(PY) -m bench sessions --model smollm2-135m-instruct --sessions 16 --turns 5 \
 	    --tool-wait 10,60 --num-blocks 512 --pinned 0.6 --background 0.8 --retention-s 90 \
 	    --max-tokens 24 --modes none,retention,store --repeats 2 --out results/sessions
+	$(PY) -m bench kv_shares --requests 240 --repeats 2 --out results/kv_shares.json
+	$(PY) -m bench kv_shares --requests 240 --repeats 2 --light-fraction 0.1 \
+	    --flood-prompts 12 --out results/kv_shares_heavy.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis results
