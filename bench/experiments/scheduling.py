@@ -7,12 +7,17 @@
   throughput with every request queued at once), with a small KV pool: preemptions,
   throughput and TTFT of the scheduler (chunked prefill, decode reserve) against the one
   before it (``legacy``: whole prompts, admission until memory runs out).
+* ``priority``: a backlog of ``--backlog`` long uncached prompts (priority 0) keeps the
+  engine's prefill budget busy while a short priority-5 request arrives every
+  ``--urgent-every`` steps: its TTFT (from being added to its first token) and the
+  backlog's output rate, with ``priority_prefill`` on and off, ABBA over ``--repeats``.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import statistics
 import time
 from typing import Any
 
@@ -28,6 +33,7 @@ from replica.checkpoints import SMOLLM2, checkpoint_for
 from replica.checkpoints.tokenizer import Tokenizer
 from replica.config import EngineConfig
 from replica.engine.engine import Engine
+from replica.messages import Owner
 from replica.model.runner import ModelRunner
 from replica.sampling.params import SamplingParams
 
@@ -48,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--overload", type=float, default=1.5, help="x sustainable rate")
     parser.add_argument("--num-blocks", type=int, default=192, help="KV pool for overload")
+    parser.add_argument("--backlog", type=int, default=12, help="priority: long prompts")
+    parser.add_argument("--urgent", type=int, default=10, help="priority: urgent requests")
+    parser.add_argument("--urgent-every", type=int, default=6, help="priority: steps apart")
+    parser.add_argument("--repeats", type=int, default=2, help="priority: ABBA rounds")
     parser.add_argument("--parts", default="stall,overload")
 
 
@@ -68,7 +78,76 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             trace: overload(args, base, runner, tokenizer, trace)
             for trace in args.traces.split(",")
         }
+    if "priority" in args.parts:
+        result["priority"] = priority(args, base, runner, tokenizer)
     return result
+
+
+def priority(
+    args: argparse.Namespace, base: EngineConfig, runner: ModelRunner, tokenizer: Tokenizer
+) -> dict[str, Any]:
+    """Urgent short requests against a backlog of long prompts (module doc), per mode."""
+    document = tokenizer.encode(LONG_DOCUMENT * 40)
+    backlog = [document[i * 997 : i * 997 + 1000] for i in range(args.backlog)]
+    urgent = [
+        TraceRequest(f"u{i}", 0, SUPPORT_QUESTIONS[i % len(SUPPORT_QUESTIONS)], 0).token_ids(
+            tokenizer
+        )
+        for i in range(args.urgent)
+    ]
+    runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+    for rep in range(args.repeats):
+        for mode in ("on", "off") if rep % 2 == 0 else ("off", "on"):
+            config = base.model_copy(update={"num_blocks": 4096, "priority_prefill": mode == "on"})
+            engine = Engine(config, runner=runner)
+            runs[mode].append(_urgent_run(engine, backlog, urgent, args.urgent_every))
+    return {
+        mode: {
+            "urgent_ttft_p50_s": statistics.median(r["urgent_ttft_p50_s"] for r in mode_runs),
+            "urgent_ttft_p99_s": statistics.median(r["urgent_ttft_p99_s"] for r in mode_runs),
+            "urgent_ttft_p99_range_s": [
+                min(r["urgent_ttft_p99_s"] for r in mode_runs),
+                max(r["urgent_ttft_p99_s"] for r in mode_runs),
+            ],
+            "backlog_output_tokens_per_s": statistics.median(
+                r["backlog_output_tokens_per_s"] for r in mode_runs
+            ),
+            "runs": mode_runs,
+        }
+        for mode, mode_runs in runs.items()
+    }
+
+
+def _urgent_run(
+    engine: Engine, backlog: list[list[int]], urgent: list[list[int]], every: int
+) -> dict[str, Any]:
+    engine.generate([[1] * 32], SamplingParams(max_tokens=2))  # warm up
+    for i, ids in enumerate(backlog):
+        engine.add_request(f"b{i}", ids, SamplingParams(max_tokens=32, ignore_eos=True))
+    added: dict[str, float] = {}
+    ttft: list[float] = []
+    steps, start, backlog_tokens = 0, time.monotonic(), 0
+    while engine.has_unfinished_requests() or len(added) < len(urgent):
+        if steps % every == 0 and len(added) < len(urgent):
+            rid = f"u{len(added)}"
+            engine.add_request(
+                rid,
+                urgent[len(added)],
+                SamplingParams(max_tokens=4, ignore_eos=True),
+                owner=Owner("urgent", priority=5),
+            )
+            added[rid] = time.monotonic()
+        for out in engine.step():
+            if out.request_id in added and len(out.token_ids) == len(out.new_token_ids):
+                ttft.append(time.monotonic() - added[out.request_id])
+            elif out.finished and out.request_id.startswith("b"):
+                backlog_tokens += len(out.token_ids)
+        steps += 1
+    return {
+        "urgent_ttft_p50_s": percentile(ttft, 50),
+        "urgent_ttft_p99_s": percentile(ttft, 99),
+        "backlog_output_tokens_per_s": backlog_tokens / (time.monotonic() - start),
+    }
 
 
 def stall(
