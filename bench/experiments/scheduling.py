@@ -87,7 +87,7 @@ def priority(
     args: argparse.Namespace, base: EngineConfig, runner: ModelRunner, tokenizer: Tokenizer
 ) -> dict[str, Any]:
     """Urgent short requests against a backlog of long prompts (module doc), per mode."""
-    document = tokenizer.encode(LONG_DOCUMENT * 40)
+    document = tokenizer.encode(LONG_DOCUMENT * 100)  # 154 tokens a copy
     backlog = [document[i * 997 : i * 997 + 1000] for i in range(args.backlog)]
     urgent = [
         TraceRequest(f"u{i}", 0, SUPPORT_QUESTIONS[i % len(SUPPORT_QUESTIONS)], 0).token_ids(
