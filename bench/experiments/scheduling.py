@@ -27,6 +27,7 @@ from bench.assistant_prompts import (
     SUPPORT_SYSTEM_PROMPT,
 )
 from bench.experiments.engine import TimedRequest, replay
+from bench.peers.host import provenance
 from bench.workloads import TraceRequest, WorkloadSpec, make_trace
 from kvindex.measure import percentile
 from replica.checkpoints import SMOLLM2, checkpoint_for
@@ -65,7 +66,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads)
     tokenizer = checkpoint_for(base.model).tokenizer()
     runner = ModelRunner(base.model_copy(update={"num_blocks": 4096}))
-    result: dict[str, Any] = {"model": base.model_id, "dtype": args.dtype}
+    result: dict[str, Any] = {
+        "model": base.model_id,
+        "dtype": str(runner.kv_cache.dtype).removeprefix("torch."),
+        "provenance": provenance(),  # the commit and CPU (read before the runs)
+    }
     if "stall" in args.parts:
         result["stall"] = {
             f"budget {b}" + ("" if chunked else ", chunking off"): stall(
