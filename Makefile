@@ -127,6 +127,7 @@ bench: install install-vllm
 	    --threads 2 --peers ours,ours-nondet --batches 1,8,32 --prefill-tokens 1024 \
 	    --decode-tokens 64 --repeats 4 --out results/speed-invariance.json
 	$(PY) -m bench scheduling --out results/scheduling.json
+	$(PY) -m bench scheduling --parts priority --out results/scheduling_priority.json
 	$(PY) -m bench choices --vllm --out results/choices.json
 	$(PY) -m bench index --scale 16,64,256,1024 --out results/index.json
 	$(PY) -m bench simulate --workload multi_tenant --per-replica \
@@ -199,6 +200,9 @@ bench: install install-vllm
 	$(PY) -m bench tenants --model smollm2-135m-instruct --max-ongoing 4 --duration 45 \
 	    --grace 20 --flood 4 --light 0.1 --share 2 --deadline 20 --express-slots 1 \
 	    --modes fifo,fair,express --repeats 2 --out results/tenants
+	$(PY) -m bench tenants --model smollm2-135m-instruct --max-ongoing 4 --duration 45 \
+	    --grace 20 --flood 4 --light 0.1 --share 2 --deadline 20 --express-slots 1 \
+	    --modes express,express_flat --repeats 2 --out results/tenants_priority
 	$(PY) -m bench sessions --model smollm2-135m-instruct --sessions 16 --turns 5 \
 	    --tool-wait 10,60 --num-blocks 512 --pinned 0.6 --background 0.8 --retention-s 90 \
 	    --max-tokens 24 --modes none,retention,store --repeats 2 --out results/sessions
