@@ -98,6 +98,7 @@ class Admitted:
     it is over (exactly once, with its streams)."""
 
     leave: Callable[[list[EngineStream]], None]
+    tenant: Tenant
     headers: dict[str, str] = field(default_factory=dict)
 
 
@@ -143,7 +144,7 @@ class Gate:
             raise
         headers = taken.headers if taken is not None else {}
         return Admitted(
-            lambda streams: self._leave(tenant, ticket, taken, requests, streams), headers
+            lambda streams: self._leave(tenant, ticket, taken, requests, streams), tenant, headers
         )
 
     async def _take(self, tenant: Tenant, cost: int) -> Taken | None:
@@ -191,6 +192,12 @@ class Gate:
     ) -> None:
         cost = actual_cost(requests, streams)
         log_request(tenant, ticket, requests, streams, cost)
+        api_metrics.TENANT_PROMPT_TOKENS.labels(tenant.name).inc(
+            sum(len(r.prompt_token_ids) for r in requests)
+        )
+        api_metrics.TENANT_CACHED_TOKENS.labels(tenant.name).inc(
+            sum(s.cached_tokens for s in streams)
+        )
         if self.shared is not None:
             self._spawn(self.shared.leave(ticket, cost))
             api_metrics.TENANT_CHARGED.labels(ticket.tenant.name).inc(cost)

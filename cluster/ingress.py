@@ -195,6 +195,7 @@ class Ingress:
     ) -> JSONResponse | StreamingResponse:
         """Run a request's prompts in the engines, holding a slot for each (``cluster.gate``)
         until its stream is over."""
+        arrived = time.monotonic()
         admitted = await self.gate.enter(http, requests)
         streams = [
             EngineStream(self.engine, r, self.hasher.chain, self.args.max_resumes) for r in requests
@@ -206,6 +207,7 @@ class Ingress:
             for r in requests:
                 link.LINK.prefill_done(r.request_id)
             api_metrics.TTFT.observe(time.monotonic() - start)
+            api_metrics.TENANT_TTFT.labels(admitted.tenant.name).observe(time.monotonic() - arrived)
             prompts = [r.prompt_token_ids for r in requests]
             reply = Reply(kind, self.model_id, body, self.tokenizer, prompts, firsts)
             headers = self._headers(requests[0].request_id, firsts) | admitted.headers

@@ -67,6 +67,12 @@ def _most_in_flight(mirror: IndexMirror, timeout_s: float) -> int:
     return most
 
 
+def _wait_for_feeds(index: IndexReader, count: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(index.live_replicas()) < count and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def _in_flight_after(mirror: IndexMirror, timeout_s: float) -> int:
     """Requests still booked once none is, or ``timeout_s`` passed."""
     deadline = time.monotonic() + timeout_s
@@ -95,6 +101,10 @@ def test_ray_serve_llm_with_our_router_sends_every_repeat_to_its_holder(tmp_path
         mirror = IndexMirror(config, CHAIN_ROOT, router_id="test-observer").start()
         hasher = BlockHasher(BLOCK, CHAIN_ROOT)
         try:
+            # the router makes a replica's feed when Serve first tells it of the replica,
+            # which on a loaded host can come after the app reports ready (a CI run saw
+            # one feed of two when the requests were over): both first, then the test
+            _wait_for_feeds(index, 2, 60.0)
             with ThreadPoolExecutor(len(prompts)) as pool:  # all new, all at once
                 done = pool.map(serve_long, prompts)
                 most_booked = _most_in_flight(mirror, 10.0)

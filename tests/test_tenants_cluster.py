@@ -133,6 +133,13 @@ def test_a_tenant_over_its_quota_gets_openais_429_and_headers(cluster: ServeClus
 
 
 def test_metrics_count_each_tenants_tokens_and_refusals(cluster: ServeCluster) -> None:
+    async def twice() -> None:  # the second is served from the first's cached blocks
+        for _ in range(2):
+            await client(cluster, "chat").completions.create(
+                model=MODEL, prompt="the same long prompt " * 12, max_tokens=2, temperature=0
+            )
+
+    asyncio.run(twice())
     text = httpx.get(
         f"{cluster.base_url}/metrics", headers={"authorization": "Bearer sk-chat"}, timeout=10
     ).text
@@ -145,6 +152,19 @@ def test_metrics_count_each_tenants_tokens_and_refusals(cluster: ServeCluster) -
     assert 'prefix_serve_tenant_express_requests_total{tenant="chat"} 1.0' in text
     assert 'prefix_serve_tenant_express_requests_total{tenant="batch"}' not in text
     assert 'prefix_serve_tenant_rejected_requests_total{reason="requests",tenant="metered"}' in text
+    values = {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith("prefix_serve_tenant_")
+    }
+    assert values['prefix_serve_tenant_ttft_seconds_count{tenant="chat"}'] >= 1
+    prompt = {k.split('"')[1]: v for k, v in values.items() if "_tenant_prompt_tokens_total" in k}
+    cached = {
+        k.split('"')[1]: v for k, v in values.items() if "_tenant_cached_prompt_tokens_total" in k
+    }
+    assert all(cached[t] <= prompt[t] for t in cached)
+    assert cached["chat"] >= 16  # the repeat hit at least one block
+    assert 'prefix_serve_replica_tenant_cached_blocks{replica="' in text  # each pool's shares
 
 
 def _replica_stats(cluster: ServeCluster) -> dict:

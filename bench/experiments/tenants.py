@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.experiments.tenants_report import markdown, summary
+from bench.harness.histograms import between, tenant_ttft_buckets
 from bench.harness.launcher import ServeCluster
 from bench.harness.private_ray import PrivateRay
 from bench.harness.rounds import abba, chosen_modes, redis_and_ray
@@ -159,9 +160,13 @@ def run_mode(
         for name, phase in todo.items():
             print(f"tenants: {mode} {name} ({capacity:.2f} requests/s capacity)", flush=True)
             cut_off = args.duration + args.grace
+            before = tenant_ttft_buckets(cluster.base_url, KEYS["a"])
             per_tenant = drive_tenants(cluster.base_url, model, phase, cut_off)
             result[name] = {t: tenant_metrics(rs, cut_off) for t, rs in per_tenant.items()}
             result[name]["_after"] = wait_idle(cluster)
+            # the same requests' TTFT as the ingress measured it (its wait included)
+            after = tenant_ttft_buckets(cluster.base_url, KEYS["a"])
+            result[name]["_ingress_ttft"] = between(before, after)
     return result, capacity
 
 

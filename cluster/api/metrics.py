@@ -39,6 +39,21 @@ TENANT_EXPRESS = Counter(
     "Requests started on an express slot (a light tenant or a higher priority, slots full)",
     ["tenant"],
 )
+TENANT_TTFT = Histogram(
+    "prefix_serve_tenant_ttft_seconds",
+    "Time from the ingress receiving a request to its first token, per tenant (its wait at "
+    "the ingress included; the client's own TTFT adds the HTTP path before the ingress)",
+    ["tenant"],
+    buckets=(0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30),
+)
+TENANT_PROMPT_TOKENS = Counter(
+    "prefix_serve_tenant_prompt_tokens", "Prompt tokens of a tenant's requests", ["tenant"]
+)
+TENANT_CACHED_TOKENS = Counter(
+    "prefix_serve_tenant_cached_prompt_tokens",
+    "Prompt tokens of a tenant's requests served from cache (over prompt tokens: its hit rate)",
+    ["tenant"],
+)
 TENANT_CHARGED = Counter(
     "prefix_serve_tenant_charged_tokens",
     "Tokens charged to a tenant: prompt tokens not served from cache, and output tokens",
