@@ -61,10 +61,12 @@ def log_request(
     ticket: Ticket,
     requests: list[EngineRequest],
     streams: list[EngineStream],
-    cost: int,
+    tokens: tuple[int, int, int],
 ) -> None:
-    """The request log: one line a request once it is over (the ingress replica's log)."""
+    """The request log: one line a request once it is over (the ingress replica's log);
+    ``tokens``: its prompt tokens, those served from cache, and the tokens charged."""
     first = requests[0]
+    prompt, cached, cost = tokens
     session = first.retention.session if first.retention is not None else "-"
     REQUEST_LOG.info(
         "request %s tenant=%s priority=%d waited_s=%.3f express=%s prompts=%d "
@@ -75,8 +77,8 @@ def log_request(
         ticket.waited_s,
         ticket.express,
         len(requests),
-        sum(len(r.prompt_token_ids) for r in requests),
-        sum(s.cached_tokens for s in streams),
+        prompt,
+        cached,
         sum(s.delivered_tokens for s in streams),
         cost,
         session,
@@ -191,18 +193,16 @@ class Gate:
         streams: list[EngineStream],
     ) -> None:
         cost = actual_cost(requests, streams)
-        log_request(tenant, ticket, requests, streams, cost)
-        api_metrics.TENANT_PROMPT_TOKENS.labels(tenant.name).inc(
-            sum(len(r.prompt_token_ids) for r in requests)
-        )
-        api_metrics.TENANT_CACHED_TOKENS.labels(tenant.name).inc(
-            sum(s.cached_tokens for s in streams)
-        )
-        if self.shared is not None:
-            self._spawn(self.shared.leave(ticket, cost))
-            api_metrics.TENANT_CHARGED.labels(ticket.tenant.name).inc(cost)
-        elif self.fair:
-            self.queue.leave(ticket, cost)
+        prompt = sum(len(r.prompt_token_ids) for r in requests)
+        cached = sum(s.cached_tokens for s in streams)
+        log_request(tenant, ticket, requests, streams, (prompt, cached, cost))
+        api_metrics.TENANT_PROMPT_TOKENS.labels(tenant.name).inc(prompt)
+        api_metrics.TENANT_CACHED_TOKENS.labels(tenant.name).inc(cached)
+        if self.fair:
+            if self.shared is not None:
+                self._spawn(self.shared.leave(ticket, cost))
+            else:
+                self.queue.leave(ticket, cost)
             api_metrics.TENANT_CHARGED.labels(ticket.tenant.name).inc(cost)
         else:
             self.queue.leave(ticket, 0)

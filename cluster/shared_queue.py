@@ -64,9 +64,13 @@ class SharedFairQueue:
         self._redis = redis.asyncio.Redis.from_url(url, socket_timeout=2.0)
         self._scripts = {
             name: self._redis.register_script(src)
-            for name, src in (("enter", ENTER), ("leave", LEAVE), ("withdraw", WITHDRAW))
+            for name, src in (
+                ("enter", ENTER),
+                ("leave", LEAVE),
+                ("withdraw", WITHDRAW),
+                ("beat", BEAT),
+            )
         }
-        self._beat_script = self._redis.register_script(BEAT)
         self._waiters: dict[str, asyncio.Future[None]] = {}
         self._early: set[str] = set()  # released before their waiter was registered
         self._tasks: list[asyncio.Task[None]] = []
@@ -210,7 +214,7 @@ class SharedFairQueue:
             future.set_result(None)
 
     async def _beat(self) -> None:
-        await self._beat_script(args=[self.ns, self.ingress, ALIVE_MS, self.slots()])
+        await self._run("beat", self.ingress, ALIVE_MS, self.slots())
 
     async def _beat_forever(self) -> None:
         while True:

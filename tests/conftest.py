@@ -13,6 +13,8 @@ import pytest
 from bench.harness.redis_server import LocalRedis
 from replica.checkpoints import TINY_MODEL
 from replica.config import EngineConfig
+from replica.engine.engine import Engine
+from replica.messages import RequestOutput
 
 
 def keep_logs(request: pytest.FixtureRequest, failed_before: int) -> bool:
@@ -54,3 +56,14 @@ def vllm_paths() -> tuple[Path, Path]:
     if not (python and folder):
         pytest.fail("run through `make test` (it installs vLLM's virtualenv: make install-vllm)")
     return Path(python), Path(folder)
+
+
+def run_to_end(engine: Engine, rid: str) -> RequestOutput:
+    """Step ``engine`` until request ``rid`` finishes, checking its block accounting after
+    every step; returns its last output."""
+    while True:
+        outputs = engine.step()
+        engine.check_invariants()
+        for out in outputs:
+            if out.request_id == rid and out.finished:
+                return out

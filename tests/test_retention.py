@@ -5,14 +5,14 @@ else, goes at its TTL, and changes no output; block accounting checked after eac
 from __future__ import annotations
 
 import pytest
-from conftest import tiny
+from conftest import run_to_end, tiny
 
 from kvindex.hashing import BlockHasher
 from replica.engine.blocks.audit import check_block_accounting
 from replica.engine.blocks.manager import BlockManager
 from replica.engine.engine import Engine
 from replica.engine.sequence import Sequence
-from replica.messages import RequestOutput, Retention
+from replica.messages import Retention
 from replica.model.runner import build_engine
 from replica.sampling.params import SamplingParams
 
@@ -118,14 +118,14 @@ def test_an_engine_keeps_a_sessions_prefix_through_a_flood_and_changes_no_output
         engine.block_manager.pins.clock = clock
         retention = Retention("s", "default", 30) if retained else None
         engine.add_request("t1", turn, greedy, retention=retention)
-        first = _run(engine, "t1")
+        first = run_to_end(engine, "t1")
         for i in range(3):
             _run_new(
                 engine, f"flood{i}", [250 - i, *((7 * t + 13 * i) % 250 for t in range(59))], greedy
             )
         nxt = [*turn, *first.token_ids, 5, 6]
         engine.add_request("t2", nxt, greedy, retention=retention)
-        outs[retained] = (first.token_ids, _run(engine, "t2"))
+        outs[retained] = (first.token_ids, run_to_end(engine, "t2"))
         if retained:
             assert engine.stats().blocks_pinned == 3  # t2's 3 full blocks replaced t1's 2
             clock.now = 31.0
@@ -140,16 +140,7 @@ def test_an_engine_keeps_a_sessions_prefix_through_a_flood_and_changes_no_output
 
 def _run_new(engine: Engine, rid: str, prompt: list[int], params: SamplingParams) -> None:
     engine.add_request(rid, prompt, params)
-    _run(engine, rid)
-
-
-def _run(engine: Engine, rid: str) -> RequestOutput:
-    while True:
-        outputs = engine.step()
-        engine.check_invariants()
-        for out in outputs:
-            if out.request_id == rid and out.finished:
-                return out
+    run_to_end(engine, rid)
 
 
 def test_pins_yield_to_a_request_that_could_not_run_beside_them() -> None:
@@ -162,10 +153,10 @@ def test_pins_yield_to_a_request_that_could_not_run_beside_them() -> None:
     for i in range(2):
         session = [240 + i, *range(100, 139)]  # 40 tokens + 8: 2 full blocks computed
         engine.add_request(f"s{i}", session, greedy, retention=Retention(f"s{i}", "a", 300))
-        _run(engine, f"s{i}")
+        run_to_end(engine, f"s{i}")
     assert engine.stats().blocks_pinned == 4
     engine.add_request("big", big, greedy)
-    out = _run(engine, "big")
+    out = run_to_end(engine, "big")
     stats = engine.stats()
     assert stats.retention_released_for_room == 2 and stats.blocks_pinned == 0
     plain = build_engine(tiny(num_blocks=8, block_size=16, max_num_seqs=4))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import tiny
+from conftest import run_to_end, tiny
 
 from kvindex.hashing import BlockHasher
 from replica.engine.blocks.audit import check_block_accounting
@@ -152,12 +152,7 @@ def _run(
     engine: Engine, rid: str, prompt: list[int], params: SamplingParams, owner: Owner
 ) -> RequestOutput:
     engine.add_request(rid, prompt, params, owner=owner)
-    while True:
-        outputs = engine.step()
-        engine.check_invariants()
-        for out in outputs:
-            if out.request_id == rid and out.finished:
-                return out
+    return run_to_end(engine, rid)
 
 
 def test_a_tenants_flood_of_the_node_store_replaces_its_own_blocks() -> None:

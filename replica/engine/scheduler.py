@@ -90,12 +90,14 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch(block_copies=self.block_manager.take_copies())
-        budget = self._schedule_running(batch, self.max_num_batched_tokens)
+        # once a step: admitting a prompt of this priority keeps it among those to compute
+        top = self.prefill_priority()
+        budget = self._schedule_running(batch, self.max_num_batched_tokens, top)
         if batch.preempted:
             self.reserve_ratio = 1.0
             return batch
         self.reserve_ratio = max(_RATIO_MIN, self.reserve_ratio - _RATIO_DECAY)
-        self._admit_waiting(batch, budget)
+        self._admit_waiting(batch, budget, top)
         return batch
 
     def reserve_blocks(self) -> int:
@@ -106,7 +108,7 @@ class Scheduler:
         growth = sum(s.params.max_tokens - s.num_output_tokens for s in self.running)
         return math.ceil(self.reserve_ratio * growth / self.block_manager.block_size)
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+    def _schedule_running(self, batch: ScheduledBatch, budget: int, top: int) -> int:
         """Decodes (oldest first), then the next chunk of each prompt being computed.
 
         A decode that finds no block, even after the allocator evicted every cached prefix,
@@ -114,7 +116,6 @@ class Scheduler:
         preempts the newest running request not yet scheduled (itself, if it is the
         newest)."""
         order = {id(s): i for i, s in enumerate(self.running)}
-        top = self.prefill_priority()
         # decodes first, then prompts by priority; stable: oldest first within each
         pending = sorted(self.running, key=lambda s: (not _decoding(s), -self._priority(s)))
         while pending:
@@ -148,14 +149,15 @@ class Scheduler:
         prefilling = [s.priority for s in self.running if not _decoding(s)]
         return max([*prefilling, *(s.priority for s in self.waiting)], default=0)
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, top: int) -> None:
         """Admission in arrival order within the highest priority waiting (no lower one
         while a higher prompt is still being computed), while budget, sequence slots and
         the reserve allow."""
         first = True
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
-            seq = max(self.waiting, key=self._priority)  # the first of the highest
-            if self._priority(seq) < self.prefill_priority():
+            # the first waiting of priority ``top``; none: a higher prompt is being computed
+            seq = next((s for s in self.waiting if self._priority(s) == top), None)
+            if seq is None:
                 break
             allowed = budget
             if not self.chunked_prefill:  # whole prompts only; the step's first may overrun

@@ -195,8 +195,7 @@ class NodeStore:
                 self.counters.full += 1
                 return PutResult(False)
             evicted, kept = self._victim_record(slot, keep_evicted_after_uses)
-            self._write(slot, (h0, h1), parent_hash, token_ids, data, owner)
-            self.meta["keep_until_ns"][slot] = keep_until_ns
+            self._write(slot, (h0, h1), parent_hash, token_ids, data, (owner, keep_until_ns))
         self.counters.puts += 1
         self.counters.evicted += evicted is not None
         return PutResult(True, evicted, kept)
@@ -225,9 +224,10 @@ class NodeStore:
         parent_hash: bytes | None,
         token_ids: Sequence[int],
         data: np.ndarray,
-        owner: int = 0,
+        held_for: tuple[int, int] = (0, 0),
     ) -> None:
-        """Rewrite one slot under the seqlock (the caller holds the lock)."""
+        """Rewrite one slot under the seqlock (the caller holds the lock); ``held_for``:
+        its owner and the time a session keeps it until."""
         meta = self.meta
         seq = int(meta["seq"][slot])
         meta["seq"][slot] = seq + 1 if seq % 2 == 0 else seq + 2  # odd: being written
@@ -238,7 +238,7 @@ class NodeStore:
         meta["p0"][slot], meta["p1"][slot] = p0, p1
         meta["tokens"][slot] = np.asarray(token_ids, np.uint32)
         meta["uses"][slot] = 1
-        meta["owner"][slot] = owner
+        meta["owner"][slot], meta["keep_until_ns"][slot] = held_for
         meta["used_ns"][slot] = time.monotonic_ns()
         meta["flags"][slot] = WRITTEN | VALID | (HAS_PARENT if parent_hash is not None else 0)
         meta["seq"][slot] = int(meta["seq"][slot]) + 1  # even: done
