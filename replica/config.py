@@ -10,7 +10,7 @@ from kvindex.hashing import BlockHasher
 from replica.checkpoints import SMOLLM2
 from replica.checkpoints.shape import ModelShape
 
-__all__ = ["EngineConfig", "ModelShape", "VLLMOptions"]
+__all__ = ["EngineConfig", "ModelShape", "SpeculationOptions", "VLLMOptions"]
 
 
 # AsyncEngineArgs that EngineConfig's own fields set (replica.vllm.engine)
@@ -53,6 +53,32 @@ class VLLMOptions(BaseModel):
     events_replay_buffer: int = Field(
         10_000, gt=0, description="event batches vLLM keeps for a subscriber to replay"
     )
+
+
+class SpeculationOptions(BaseModel):
+    """Prompt-lookup speculative decoding (``replica.engine.drafts``): drafts copied from a
+    request's own prompt and output, verified in one step, accepted only where they equal
+    the token plain decoding picks, so outputs are the same bits with it on or off."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(True, description="draft and verify; false: one token per step")
+    max_draft_tokens: int = Field(
+        4, ge=1, le=16, description="drafted tokens per sequence and step, at most"
+    )
+    ngram_max: int = Field(4, ge=1, le=16, description="longest suffix matched")
+    ngram_min: int = Field(2, ge=1, le=16, description="shortest suffix matched")
+    adaptive: bool = Field(
+        True,
+        description="per sequence: two more drafts after a step that accepted all, one "
+        "fewer after one that did not; false: always max_draft_tokens",
+    )
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> SpeculationOptions:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError("speculation: ngram_min must be at most ngram_max")
+        return self
 
 
 class EngineConfig(BaseModel):
@@ -125,6 +151,7 @@ class EngineConfig(BaseModel):
         description="evict cached blocks from the tenants over their weighted share of the "
         "cached pool first, so one tenant's flood evicts its own blocks (README 'Tenants')",
     )
+    speculation: SpeculationOptions = Field(default_factory=SpeculationOptions)
     seed: int = 0
     dtype: Literal["auto", "float32", "float64", "bfloat16"] = Field(
         "auto", description="auto: bfloat16 where the CPU has native bfloat16, else float32"

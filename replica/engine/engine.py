@@ -27,10 +27,12 @@ from replica.engine.blocks.audit import check_block_accounting
 from replica.engine.blocks.manager import BlockManager
 from replica.engine.blocks.prefix_cache import CacheEvents
 from replica.engine.choices import fork_choices
+from replica.engine.drafts import Drafter
 from replica.engine.faces import KVHandle, KVPool, SecondTier
 from replica.engine.limits import check_request
 from replica.engine.scheduler import Scheduler
 from replica.engine.sequence import Sequence, SequenceStatus
+from replica.engine.speculation import verify
 from replica.engine.stats import EngineMetrics, EngineStats
 from replica.engine.step import Runner, ScheduledBatch
 from replica.errors import InvalidRequestError
@@ -69,6 +71,7 @@ class Engine:
             config.max_pinned_fraction,
             config.tenant_kv_shares,
         )
+        self.drafter = Drafter(config.speculation) if config.speculation.enabled else None
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
@@ -76,6 +79,7 @@ class Engine:
             config.enable_chunked_prefill,
             config.decode_reserve,
             config.priority_prefill,
+            self.drafter,
         )
         self.runner = runner
         # its blocks as KV moves between engines and tiers (``faces.KVHandle``); a runner
@@ -143,6 +147,8 @@ class Engine:
         seq.num_prompt_tokens = len(tokens)
         seq.grammar = grammar
         seq.retention = retention
+        if self.drafter is not None and params.speculate:
+            seq.drafts = self.drafter.new_state()
         if owner is not None:
             seq.tenant, seq.priority = owner.tenant, owner.priority
             self.block_manager.allocator.cached.set_weight(owner.tenant, owner.weight)
@@ -274,15 +280,22 @@ class Engine:
         """Account what the step computed and sample where a chunk reached the last token
         (its row is the last of its logits rows; earlier ones are prompt logprobs)."""
         rows = logits.split(batch.logit_rows)
-        sampled = [i for i, sample in enumerate(batch.samples) if sample]
+        sampled = [i for i, sample in enumerate(batch.samples) if sample and not batch.drafts[i]]
         last_rows = torch.stack([rows[i][-1] for i in sampled]) if sampled else logits[:0]
         samples = self.sampler.sample_each(last_rows, [batch.seqs[i].sample_row() for i in sampled])
-        for seq, n, own in zip(batch.seqs, batch.num_new_tokens, rows, strict=True):
+        for seq, n, own, drafts in zip(
+            batch.seqs, batch.num_new_tokens, rows, batch.drafts, strict=True
+        ):
+            n -= len(drafts)  # a draft counts once verification keeps it (``_verify``)
             self.metrics.computed_tokens += n
             seq.record_prompt_logprobs(own, n)
             seq.num_computed_tokens += n
         now = self.clock()
-        outputs = []
+        outputs = [
+            self._verify(batch.seqs[i], rows[i], drafts, now)
+            for i, drafts in enumerate(batch.drafts)
+            if drafts
+        ]
         for i, sample in zip(sampled, samples, strict=True):
             seq = batch.seqs[i]
             first_of_many = seq.params.n > 1 and seq.num_output_tokens == 0
@@ -315,10 +328,37 @@ class Engine:
             outputs.append(self._advance(child, sample, now))
         return outputs
 
-    def _advance(self, seq: Sequence, sample: Sample, now: float) -> RequestOutput:
+    def _verify(
+        self, seq: Sequence, rows: torch.Tensor, drafts: list[int], now: float
+    ) -> RequestOutput:
+        """A decode with drafts (``replica.engine.speculation``): the tokens plain decoding
+        picks, as many as the drafts confirmed plus one; the KV of rejected drafts rolled
+        back, the blocks the kept ones filled published."""
+        try:
+            verified = verify(seq, rows, drafts, self.sampler, self._eos_token_ids)
+        except Exception as exc:  # one request's failure, never the step's
+            return self._fail(seq, exc)
         m = self.metrics
-        token = sample.token_id
-        m.generation_tokens += 1
+        seq.num_computed_tokens += verified.rows_used - 1  # the decode token counted already
+        m.computed_tokens += verified.rows_used - 1
+        m.draft_tokens += len(drafts)
+        m.accepted_draft_tokens += verified.accepted
+        m.draft_steps_saved += len(verified.samples) - 1
+        if seq.drafts is not None and self.drafter is not None:
+            self.drafter.record(seq.drafts, len(drafts), verified.accepted)
+        self.block_manager.settle_drafts(seq)
+        return self._emitted(seq, verified.samples, now)
+
+    def _advance(self, seq: Sequence, sample: Sample, now: float) -> RequestOutput:
+        """Commit one sampled token to ``seq``; its output."""
+        seq.finish_reason = seq.commit(sample.token_id, self._eos_token_ids)
+        return self._emitted(seq, [sample], now)
+
+    def _emitted(self, seq: Sequence, samples: list[Sample], now: float) -> RequestOutput:
+        """``seq`` committed ``samples`` this step: count them, end it if they finished it,
+        and its output."""
+        m = self.metrics
+        m.generation_tokens += len(samples)
         if seq.first_token_time is None:  # first step of this request: its prompt is done
             m.prompt_tokens += seq.num_prompt_tokens
             m.cached_prompt_tokens += seq.num_cached_prompt_tokens or 0
@@ -327,15 +367,14 @@ class Engine:
         elif seq.last_token_time is not None:  # (a forked choice's first token has none)
             m.itl_s.append(now - seq.last_token_time)
         seq.last_token_time = now
-        seq.finish_reason = seq.commit(token, self._eos_token_ids)
         if seq.finish_reason is not None:
             seq.status = SequenceStatus.FINISHED
             self.block_manager.retain(seq)  # before its blocks go: a pin shares them
             self.scheduler.remove(seq)
             del self._seqs[seq.request_id]
             m.num_finished += 1
-        logprobs = None if sample.logprob is None else [sample.logprob]
-        return seq.output([token], logprobs)
+        logprobs = [s.logprob for s in samples if s.logprob is not None] or None
+        return seq.output([s.token_id for s in samples], logprobs)
 
     def _emit_events(self) -> None:
         cache = self.block_manager.prefix_cache

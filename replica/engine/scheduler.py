@@ -24,6 +24,10 @@ instead of stalling every running stream. Where we differ from vLLM, and why:
   the prompts that saturate the engine (vLLM's priority scheduling orders the waiting
   queue and preempts; on a CPU the step's length is the cost, so we keep the steps short
   instead). With one priority nothing changes.
+* Drafts (prompt lookup, ``replica.engine.drafts``) come last: a decode of a speculating
+  sequence may also compute drafted tokens, out of the budget that decodes, prompt chunks
+  and admissions left, and in blocks that are free (never evicting a cached prefix), so a
+  draft never displaces a prefill this step would otherwise run.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import math
 from collections import deque
 
 from replica.engine.blocks.manager import BlockManager
+from replica.engine.drafts import Drafter
 from replica.engine.sequence import Sequence, SequenceStatus
 from replica.engine.step import ScheduledBatch
 
@@ -55,6 +60,7 @@ class Scheduler:
         chunked_prefill: bool = True,
         decode_reserve: bool = True,
         priorities: bool = True,
+        drafter: Drafter | None = None,
     ) -> None:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs")
@@ -64,6 +70,7 @@ class Scheduler:
         self.chunked_prefill = chunked_prefill
         self.decode_reserve = decode_reserve
         self.priorities = priorities
+        self.drafter = drafter
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.reserve_ratio = _RATIO_START
@@ -97,7 +104,8 @@ class Scheduler:
             self.reserve_ratio = 1.0
             return batch
         self.reserve_ratio = max(_RATIO_MIN, self.reserve_ratio - _RATIO_DECAY)
-        self._admit_waiting(batch, budget, top)
+        budget = self._admit_waiting(batch, budget, top)
+        self._add_drafts(batch, budget)
         return batch
 
     def reserve_blocks(self) -> int:
@@ -149,10 +157,10 @@ class Scheduler:
         prefilling = [s.priority for s in self.running if not _decoding(s)]
         return max([*prefilling, *(s.priority for s in self.waiting)], default=0)
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int, top: int) -> None:
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, top: int) -> int:
         """Admission in arrival order within the highest priority waiting (no lower one
         while a higher prompt is still being computed), while budget, sequence slots and
-        the reserve allow."""
+        the reserve allow. Returns the budget left."""
         first = True
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             # the first waiting of priority ``top``; none: a higher prompt is being computed
@@ -176,6 +184,27 @@ class Scheduler:
             batch.add(seq, num_new)
             budget -= num_new
             first = False
+        return budget
+
+    def _add_drafts(self, batch: ScheduledBatch, budget: int) -> None:
+        """Each speculating decode, oldest first, drafts what the budget left allows, at
+        most its own draft length and one fewer than its ``max_tokens`` left (the step's
+        sampled token is the last one counted), in free blocks."""
+        if self.drafter is None:
+            return
+        for i, seq in enumerate(batch.seqs):
+            if budget <= 0:
+                return
+            if seq.drafts is None or batch.num_new_tokens[i] != 1 or not batch.samples[i]:
+                continue
+            if not seq.num_output_tokens:  # its first token: choices may fork from it
+                continue
+            room = min(budget, seq.params.max_tokens - seq.num_output_tokens - 1)
+            drafts = self.drafter.propose(seq.drafts, seq.token_ids, room)
+            drafts = drafts[: self.block_manager.draft_slots(seq, len(drafts))]
+            if drafts:
+                batch.add_drafts(i, drafts)
+                budget -= len(drafts)
 
     def _priority(self, seq: Sequence) -> int:
         return seq.priority if self.priorities else 0

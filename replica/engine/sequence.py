@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from replica.engine.drafts import DraftState
 from replica.messages import RequestOutput, Retention
 from replica.sampling.grammar import GrammarState
 from replica.sampling.params import SamplingParams, TokenLogprob
@@ -52,6 +53,7 @@ class Sequence:
     retention: Retention | None = None  # keep its blocks for its session (choice 0 only)
     tenant: str = ""  # its blocks, released, count in this tenant's share of the pool
     priority: int = 0  # its prompt is computed before those of lower priorities
+    drafts: DraftState | None = None  # it speculates (``replica.engine.drafts``)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

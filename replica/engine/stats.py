@@ -27,6 +27,9 @@ class EngineMetrics:
     generation_tokens: int = 0
     preemptions: int = 0
     steps: int = 0
+    draft_tokens: int = 0  # prompt-lookup drafts verified (``replica.engine.speculation``)
+    accepted_draft_tokens: int = 0  # of them, equal to the token decoding picked
+    draft_steps_saved: int = 0  # tokens beyond one that a sequence's step yielded
     ttft_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_SAMPLES))
     itl_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_SAMPLES))
 
@@ -53,6 +56,9 @@ class EngineStats:
     evictions: int
     hash_mismatches: int
     steps: int
+    draft_tokens: int
+    accepted_draft_tokens: int
+    draft_steps_saved: int
     blocks_total: int
     blocks_free: int
     blocks_cached: int
@@ -93,6 +99,9 @@ class EngineStats:
             evictions=blocks.evictions,
             hash_mismatches=blocks.hash_mismatches,
             steps=m.steps,
+            draft_tokens=m.draft_tokens,
+            accepted_draft_tokens=m.accepted_draft_tokens,
+            draft_steps_saved=m.draft_steps_saved,
             blocks_total=blocks.total,
             blocks_free=blocks.free,
             blocks_cached=blocks.cached,

@@ -16,7 +16,12 @@ from replica.engine.sequence import Sequence
 @dataclass
 class ScheduledBatch:
     """One step's work: each sequence with the number of tokens it computes this step, and
-    whether that reaches its last known token (then the step samples its next one)."""
+    whether that reaches its last known token (then the step samples its next one).
+
+    A decoding sequence may also compute ``drafts[i]``, tokens guessed after its last one
+    (``replica.engine.drafts``): they are counted in ``num_new_tokens[i]``, follow its
+    known tokens in the step's input, and every one of its rows' logits comes back (the
+    engine verifies them in order, ``replica.engine.speculation``)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
@@ -24,6 +29,7 @@ class ScheduledBatch:
     logit_rows: list[int] = field(default_factory=list)  # last rows whose logits it needs
     preempted: list[Sequence] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) first
+    drafts: list[list[int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -37,16 +43,37 @@ class ScheduledBatch:
         self.samples.append(sample)
         # every row of a prompt whose logprobs are asked for; else the sampled row only
         self.logit_rows.append(num_new_tokens if wants_prompt else int(sample))
+        self.drafts.append([])
+
+    def add_drafts(self, i: int, drafts: list[int]) -> None:
+        """Entry ``i`` (a decode: one token, sampled) also computes ``drafts``."""
+        if self.num_new_tokens[i] != 1 or not self.samples[i] or self.drafts[i]:
+            raise ValueError("drafts follow a decode's one token, once")
+        self.drafts[i] = list(drafts)
+        self.num_new_tokens[i] += len(drafts)
+        self.logit_rows[i] += len(drafts)
+
+    def input_tokens(self, i: int) -> list[int]:
+        """The tokens entry ``i`` computes: its next known ones, then its drafts."""
+        seq, drafts = self.seqs[i], self.drafts[i]
+        first = seq.num_computed_tokens
+        return seq.token_ids[first : first + self.num_new_tokens[i] - len(drafts)] + drafts
 
     @property
     def num_decodes(self) -> int:
-        """Sequences computing one token (a decode; the model runs them as one batch)."""
-        return sum(1 for n in self.num_new_tokens if n == 1)
+        """Sequences computing one known token (a decode, with or without drafts)."""
+        return sum(1 for n, d in zip(self.num_new_tokens, self.drafts, strict=True) if n - len(d) == 1)
 
     @property
     def num_prefill_tokens(self) -> int:
-        """Tokens of the sequences computing several (chunks of prompts)."""
-        return sum(n for n in self.num_new_tokens if n > 1)
+        """Tokens of the sequences computing several known ones (chunks of prompts)."""
+        return sum(
+            n for n, d in zip(self.num_new_tokens, self.drafts, strict=True) if n - len(d) > 1
+        )
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(d) for d in self.drafts)
 
     @property
     def num_tokens(self) -> int:

@@ -72,9 +72,11 @@ class ModelRunner:
         last_rows: list[int] = []
         tables: list[list[int]] = []
         spans: list[tuple[int, int]] = []
-        for seq, n, rows in zip(batch.seqs, batch.num_new_tokens, batch.logit_rows, strict=True):
+        for i, (seq, n, rows) in enumerate(
+            zip(batch.seqs, batch.num_new_tokens, batch.logit_rows, strict=True)
+        ):
             start, first = len(input_ids), seq.num_computed_tokens
-            input_ids += seq.token_ids[first : first + n]
+            input_ids += batch.input_tokens(i)
             positions += range(first, first + n)
             last_rows += range(start + n - rows, start + n)
             tables.append(seq.block_table[: -(-(first + n) // bs)])

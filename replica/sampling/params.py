@@ -40,7 +40,9 @@ class SamplingParams(BaseModel):
     (0-20 alternatives) reports the raw log-probability of each sampled token, and
     ``prompt_logprobs`` those of the prompt's tokens (the prompt is then computed whole,
     never served from the prefix cache, whose blocks hold no logits). ``structured`` holds
-    the output to a JSON format; the request ends when its grammar does.
+    the output to a JSON format; the request ends when its grammar does. ``speculate``
+    false opts the request out of the engine's drafts (``replica.engine.drafts``), which
+    never change its tokens, only how many come per step.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -60,6 +62,7 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     structured: StructuredOutput | None = None
+    speculate: bool = True  # prompt-lookup drafts where the engine drafts (same tokens)
 
     def for_choice(self, index: int) -> SamplingParams:
         """The parameters of choice ``index`` of an ``n`` > 1 request, as a request of its

@@ -172,6 +172,27 @@ class BlockManager:
         self._publish(seq, seq.num_computed_tokens + 1)
         return True
 
+    def draft_slots(self, seq: Sequence, num_drafts: int) -> int:
+        """Room for up to ``num_drafts`` drafted tokens after a scheduled decode (whose own
+        slot ``append_slot`` made): blocks only from the free list, never by evicting a
+        cached prefix for a guess. Returns how many drafts fit. Nothing is published: a
+        draft's block is published once verification keeps its tokens (``settle_drafts``)."""
+        bs = self.block_size
+        last = seq.num_computed_tokens + num_drafts  # the last draft's position
+        more = min(last // bs + 1 - len(seq.block_table), self.allocator.num_free)
+        if more > 0:
+            seq.block_table += self.allocator.allocate(more)
+        return min(num_drafts, len(seq.block_table) * bs - seq.num_computed_tokens - 1)
+
+    def settle_drafts(self, seq: Sequence) -> None:
+        """After verification (``num_computed_tokens`` counts the kept drafts): publish the
+        blocks they filled, and free the blocks past the next token's that only rejected
+        drafts wrote (unpublished, so they go back to the free list)."""
+        self._publish(seq, seq.num_computed_tokens)
+        keep = seq.num_computed_tokens // self.block_size + 1
+        while len(seq.block_table) > keep:
+            self.allocator.free(seq.block_table.pop(), seq.tenant)
+
     def release(self, seq: Sequence) -> None:
         """Return a sequence's blocks. The tail goes first, so it is evicted first."""
         for block in reversed(seq.block_table):
