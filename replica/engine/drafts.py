@@ -65,7 +65,9 @@ class Drafter:
         if not self.options.adaptive or not drafted:
             return
         top = self.options.max_draft_tokens
-        state.length = min(top, state.length + 2) if accepted == drafted else max(1, state.length - 1)
+        state.length = (
+            min(top, state.length + 2) if accepted == drafted else max(1, state.length - 1)
+        )
 
     def _index(self, state: DraftState, tokens: list[int]) -> None:
         """Index every gram ending before the last token's position + 1, except the suffix

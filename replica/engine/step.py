@@ -62,7 +62,9 @@ class ScheduledBatch:
     @property
     def num_decodes(self) -> int:
         """Sequences computing one known token (a decode, with or without drafts)."""
-        return sum(1 for n, d in zip(self.num_new_tokens, self.drafts, strict=True) if n - len(d) == 1)
+        return sum(
+            1 for n, d in zip(self.num_new_tokens, self.drafts, strict=True) if n - len(d) == 1
+        )
 
     @property
     def num_prefill_tokens(self) -> int:
