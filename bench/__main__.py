@@ -18,6 +18,7 @@ from bench.experiments import (
     scheduling,
     sessions,
     simulate,
+    speculation,
     speed,
     stack,
     structured,
@@ -28,6 +29,7 @@ from bench.experiments.prefix import pull, store
 EXPERIMENTS = {
     "engine": (engine, "prefix cache off vs on on one trace, one engine (and vLLM)"),
     "choices": (choices, "n samples of one prompt: one prefill, TTFT next to n = 1"),
+    "speculation": (speculation, "prompt-lookup drafts on and off: decode tokens/s, and vLLM's"),
     "speed": (speed, "prefill and decode throughput next to transformers and vLLM"),
     "stack": (stack, "the whole cluster next to Ray Serve LLM with vLLM, vllm bench serve"),
     "structured": (structured, "replies held to a JSON schema: the mask's cost, compile times"),

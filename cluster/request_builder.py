@@ -124,6 +124,7 @@ class RequestBuilder:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             structured=structured,
+            speculate=body.speculation,
         )
 
     def cache_salt(self, body: Body, request: Request, tenant: Tenant | None = None) -> str | None:

@@ -50,6 +50,10 @@ _REPLICA_KEYS = (
     "num_waiting",
     "preemptions",
     "failed_requests",
+    # prompt-lookup drafts (replica.engine.speculation): verified, kept, steps they saved
+    "draft_tokens",
+    "accepted_draft_tokens",
+    "draft_steps_saved",
     # pulls (replica.pull) and the node store (replica.store): counted apart
     "pulls",
     "pulled_blocks",

@@ -9,11 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from bench.harness.redis_server import LocalRedis
 from replica.checkpoints import TINY_MODEL
 from replica.config import EngineConfig
 from replica.engine.engine import Engine
+from replica.engine.sequence import Sequence
+from replica.engine.step import ScheduledBatch
 from replica.messages import RequestOutput
 
 
@@ -67,3 +70,47 @@ def run_to_end(engine: Engine, rid: str) -> RequestOutput:
         for out in outputs:
             if out.request_id == rid and out.finished:
                 return out
+
+
+def sampled_rows(
+    batch: ScheduledBatch, logits: torch.Tensor
+) -> Iterator[tuple[Sequence, int, torch.Tensor]]:
+    """Each logits row a step may sample from, with its sequence and the output position it
+    predicts (call before the engine sees the step): a sampling entry's last row, and every
+    row of a decode with drafts (row j predicts position ``num_output_tokens + j``). A
+    rejected draft's row is predicted again in a later step: keyed by position, the last
+    row recorded is the one the token was sampled from."""
+    end = 0
+    for i, (seq, rows, sample) in enumerate(
+        zip(batch.seqs, batch.logit_rows, batch.samples, strict=True)
+    ):
+        end += rows
+        drafts = len(batch.drafts[i])
+        for j in range(drafts + 1) if sample else ():
+            yield seq, seq.num_output_tokens + j, logits[end - drafts - 1 + j]
+    assert end == logits.shape[0]
+
+
+class RowsByPosition:
+    """Per request, a value kept of the row behind each output position (``sampled_rows``)."""
+
+    def __init__(self) -> None:
+        self.by_position: dict[str, dict[int, Any]] = {}
+
+    def keep(self, batch: ScheduledBatch, logits: torch.Tensor, value: Any) -> None:
+        for seq, position, row in sampled_rows(batch, logits):
+            self.by_position.setdefault(seq.request_id, {})[position] = value(row)
+
+    def __getitem__(self, request_id: str) -> list[Any]:
+        """The request's values in output order."""
+        held = self.by_position[request_id]
+        return [held[p] for p in sorted(held)]
+
+    def upto(self, request_id: str, num_outputs: int) -> list[Any]:
+        """The values of its first ``num_outputs`` positions (a step that verified drafts
+        past where the request finished computed rows nothing was sampled from)."""
+        held = self.by_position[request_id]
+        return [held[p] for p in sorted(held) if p < num_outputs]
+
+    def clear(self) -> None:
+        self.by_position.clear()

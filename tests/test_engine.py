@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import tiny
+from conftest import RowsByPosition, tiny
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
@@ -294,15 +294,11 @@ class LogitsRecorder:
 
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
-        self.rows: dict[str, list[torch.Tensor]] = {}
+        self.rows = RowsByPosition()
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         logits = self.runner.execute(batch)
-        row = 0
-        for seq, num_rows, sample in zip(batch.seqs, batch.logit_rows, batch.samples, strict=True):
-            row += num_rows  # a sequence's sampled row is its last
-            if sample:
-                self.rows.setdefault(seq.request_id, []).append(logits[row - 1].double())
+        self.rows.keep(batch, logits, torch.Tensor.double)
         return logits
 
 

@@ -7,7 +7,10 @@ are first run one at a time with nothing cached. Every other way of running them
 the same tokens, and bitwise the same logits row behind every token: batched with prefills
 and decodes in one step, after another request cached their system prompt, chunked over many
 steps, resumed from an output position as a continuation, and preempted. Seeded sampling
-and replies held to a JSON schema hold the same way. The kernel-level checks (a linear
+and replies held to a JSON schema hold the same way. The references decode one token per
+step; every other run has the engine's prompt-lookup drafts on (its default), so each of
+these ways is also checked with drafts verified in the step (``test_speculation.py`` varies
+the draft length and mixes in requests that opt out). The kernel-level checks (a linear
 layer's row, an attention query) are in ``test_kernels.py``.
 """
 
@@ -19,10 +22,11 @@ import json
 import pytest
 import torch
 from chat_prompts import SHARING_THE_SYSTEM_PROMPT, chat_prompts, encode
+from conftest import RowsByPosition
 
 from bench.assistant_prompts import SUPPORT_SYSTEM_PROMPT
 from replica.checkpoints import SMOLLM2, checkpoint_for
-from replica.config import EngineConfig
+from replica.config import EngineConfig, SpeculationOptions
 from replica.engine.engine import Engine
 from replica.engine.step import ScheduledBatch
 from replica.messages import Owner
@@ -35,6 +39,7 @@ from replica.store.tier import StoreTier
 
 NEW_TOKENS = 128
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+PLAIN = SpeculationOptions(enabled=False)  # the references: one token per step, no drafts
 SERVED = str(resolve_dtype("auto")).removeprefix("torch.")
 Run = dict[str, tuple[list[int], list[bytes]]]  # request id -> tokens, digests of their rows
 
@@ -44,19 +49,18 @@ class Digests:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.rows: dict[str, list[bytes]] = {}
+        self.rows = RowsByPosition()
         self.batches: list[ScheduledBatch] = []
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         logits = self.runner.execute(batch)
         self.batches.append(batch)
-        end = 0
-        for seq, rows, sample in zip(batch.seqs, batch.logit_rows, batch.samples, strict=True):
-            end += rows
-            if sample:
-                digest = hashlib.blake2b(logits[end - 1].numpy().tobytes(), digest_size=16)
-                self.rows.setdefault(seq.request_id, []).append(digest.digest())
+        self.rows.keep(batch, logits, digest)
         return logits
+
+
+def digest(row: torch.Tensor) -> bytes:
+    return hashlib.blake2b(row.numpy().tobytes(), digest_size=16).digest()
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +84,15 @@ def run(
 ) -> list[tuple[list[int], list[bytes]]]:
     outs = engine.generate(prompts, params)
     engine.check_invariants()
-    return [(o.token_ids, digests.rows[o.request_id]) for o in outs]
+    return [(o.token_ids, digests.rows.upto(o.request_id, len(o.token_ids))) for o in outs]
 
 
 @pytest.fixture(scope="module")
 def alone(runner, prompts) -> list[tuple[list[int], list[bytes]]]:
     """Each prompt by itself, on an engine that caches nothing."""
-    engine, digests = engine_with(runner, num_blocks=768, enable_prefix_cache=False)
+    engine, digests = engine_with(
+        runner, num_blocks=768, enable_prefix_cache=False, speculation=PLAIN
+    )
     results = [run(engine, digests, [p])[0] for p in prompts]
     assert all(len(tokens) == NEW_TOKENS for tokens, _ in results)
     return results
@@ -127,7 +133,7 @@ def test_batched_with_prefills_and_decodes_in_one_step(runner, prompts, alone, d
                 engine.add_request(rid, p, GREEDY)
         finished |= {o.request_id: o for o in engine.step() if o.finished}
     assert any(b.num_decodes and b.num_prefill_tokens for b in digests.batches)
-    assert_same([(finished[r].token_ids, digests.rows[r]) for r in ids], alone)
+    assert_same([(finished[r].token_ids, digests.rows.upto(r, NEW_TOKENS)) for r in ids], alone)
 
 
 @pytest.mark.parametrize("dtype", [SERVED])
@@ -154,7 +160,7 @@ def test_urgent_prompts_computed_first_change_nothing(runner, prompts, alone, dt
         and all(q.priority == 5 or n == 1 for q, n in zip(b.seqs, b.num_new_tokens, strict=True))
     ]
     assert len(urgent_only) > 4  # steps that computed urgent prompts and only decoded others
-    assert_same([(finished[r].token_ids, digests.rows[r]) for r in ids], alone)
+    assert_same([(finished[r].token_ids, digests.rows.upto(r, NEW_TOKENS)) for r in ids], alone)
 
 
 @pytest.mark.parametrize("dtype", [SERVED])
@@ -164,7 +170,9 @@ def test_a_prefix_cached_by_another_request_changes_nothing(runner, prompts, alo
     engine.generate([other], SamplingParams(max_tokens=3))
     outs = engine.generate(prompts, GREEDY)
     assert all(outs[i].num_cached_tokens >= 512 for i in SHARING_THE_SYSTEM_PROMPT)
-    assert_same([(o.token_ids, digests.rows[o.request_id]) for o in outs], alone)
+    assert_same(
+        [(o.token_ids, digests.rows.upto(o.request_id, len(o.token_ids))) for o in outs], alone
+    )
     engine.check_invariants()
 
 
@@ -202,7 +210,7 @@ def test_a_request_resumed_from_any_output_position_continues_exactly(
 
 @pytest.mark.parametrize("dtype", [SERVED])
 def test_preemption_on_a_small_pool_changes_nothing(runner, prompts, alone, dtype) -> None:
-    engine, digests = engine_with(runner, num_blocks=110, max_num_seqs=8, decode_reserve=False)
+    engine, digests = engine_with(runner, num_blocks=96, max_num_seqs=8, decode_reserve=False)
     results = run(engine, digests, prompts)
     assert engine.stats().preemptions > 0
     assert_same(results, alone)
@@ -211,7 +219,9 @@ def test_preemption_on_a_small_pool_changes_nothing(runner, prompts, alone, dtyp
 @pytest.mark.parametrize("dtype", [SERVED])
 def test_seeded_sampling_is_invariant_too(runner, prompts, dtype) -> None:
     params = SamplingParams(max_tokens=32, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
-    engine, digests = engine_with(runner, num_blocks=768, enable_prefix_cache=False)
+    engine, digests = engine_with(
+        runner, num_blocks=768, enable_prefix_cache=False, speculation=PLAIN
+    )
     solo = [run(engine, digests, [p], params)[0] for p in prompts[:4]]
     engine, digests = engine_with(runner, num_blocks=768)
     engine.generate([prompts[1]], SamplingParams(max_tokens=2))  # the system prompt cached
@@ -233,12 +243,16 @@ def test_constrained_requests_are_invariant_too(runner, prompts, dtype) -> None:
     greedy = SamplingParams(max_tokens=48, structured=structured)
     seeded = greedy.model_copy(update={"temperature": 0.8, "seed": 77})
     cases = [(p, params) for p in prompts[:3] for params in (greedy, seeded)]
-    engine, digests = engine_with(runner, num_blocks=768, enable_prefix_cache=False)
+    engine, digests = engine_with(
+        runner, num_blocks=768, enable_prefix_cache=False, speculation=PLAIN
+    )
     solo = [run(engine, digests, [p], params)[0] for p, params in cases]
     engine, digests = engine_with(runner, num_blocks=768)
     engine.generate([prompts[1]], SamplingParams(max_tokens=2))
     outs = engine.generate([p for p, _ in cases], [params for _, params in cases])
-    assert_same([(o.token_ids, digests.rows[o.request_id]) for o in outs], solo)
+    assert_same(
+        [(o.token_ids, digests.rows.upto(o.request_id, len(o.token_ids))) for o in outs], solo
+    )
     for i, ((p, params), (tokens, _)) in enumerate(zip(cases, solo, strict=True)):
         engine.add_request(f"half{i}", p, params, output_token_ids=tokens[: len(tokens) // 2])
     finished = {}
@@ -269,5 +283,7 @@ def test_a_prefix_restored_from_the_node_store_changes_nothing(runner, prompts, 
     assert engine.store.counters.restored_blocks >= max((len(p) - 1) // 16 for p in prompts)
     restored = [o.num_cached_tokens for o in outs]
     assert restored == [(len(p) - 1) // 16 * 16 for p in prompts], restored
-    assert_same([(o.token_ids, digests.rows[o.request_id]) for o in outs], alone)
+    assert_same(
+        [(o.token_ids, digests.rows.upto(o.request_id, len(o.token_ids))) for o in outs], alone
+    )
     engine.check_invariants()

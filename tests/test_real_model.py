@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 from chat_prompts import chat_prompts
+from conftest import RowsByPosition
 from transformers import DynamicCache, LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
@@ -34,18 +35,13 @@ class Recording:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.logits: dict[str, list[torch.Tensor]] = {}
+        self.logits = RowsByPosition()
         self.batches: list[ScheduledBatch] = []
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         logits = self.runner.execute(batch)
         self.batches.append(batch)
-        end = 0  # each sequence's rows in order, its sampled token's row last
-        for seq, rows, sample in zip(batch.seqs, batch.logit_rows, batch.samples, strict=True):
-            end += rows
-            if sample:
-                self.logits.setdefault(seq.request_id, []).append(logits[end - 1].clone())
-        assert end == logits.shape[0]
+        self.logits.keep(batch, logits, torch.Tensor.clone)
         return logits
 
 

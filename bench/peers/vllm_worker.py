@@ -10,7 +10,8 @@ a benchmark can alternate vLLM with other engines while this process keeps its m
 
 Jobs (``kind``):
 
-* ``generate``: prompts submitted together, ``max_tokens`` each (greedy, EOS ignored); the
+* ``generate``: prompts submitted together, ``max_tokens`` each (greedy, EOS ignored unless
+  ``"ignore_eos": false``); the
   prefix cache is reset before every repeat, so each run computes its prompts in full. The
   moment every prompt had its first token is timed inside the run (``first_s``).
 * ``choices``: one prompt with ``n`` samples per request for each ``n`` listed, repeated
@@ -44,7 +45,8 @@ def _generate(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams, TokensPrompt
 
     engine = llm.llm_engine
-    params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True)
+    ignore_eos = job.get("ignore_eos", True)
+    params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=ignore_eos)
     times: list[float] = []
     for _ in range(job.get("repeats", 1)):
         llm.reset_prefix_cache()
@@ -214,6 +216,12 @@ def main(path: str) -> None:
         # vLLM binds OpenMP threads (VLLM_CPU_OMP_THREADS_BIND) only through its
         # multiprocess executor, in the model worker it spawns; "uni" runs unbound
         distributed_executor_backend=os.environ.get("VLLM_EXECUTOR", "mp"),
+        # e.g. {"method": "ngram", ...}: vLLM's own drafts (bench speculation)
+        **(
+            {"speculative_config": spec["speculative_config"]}
+            if spec.get("speculative_config")
+            else {}
+        ),
     )
     import vllm
 

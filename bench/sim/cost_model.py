@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from replica.config import EngineConfig
+from replica.config import EngineConfig, SpeculationOptions
 from replica.engine.engine import Engine
 from replica.engine.step import ScheduledBatch
 from replica.model.runner import ModelRunner
@@ -62,6 +62,12 @@ class CostModel:
 DEFAULT_CALIBRATION = Path(__file__).with_name("calibration.json")
 
 
+def no_drafts(config: EngineConfig) -> EngineConfig:
+    """``config`` with speculative decoding off (the cost model prices one token per
+    decode; the simulator's stand-in logits, all zeros, would accept any draft of token 0)."""
+    return config.model_copy(update={"speculation": SpeculationOptions(enabled=False)})
+
+
 def calibrate(config: EngineConfig, seed: int = 0) -> CostModel:
     """Fit the cost model to step times of the real engine on a mixed workload."""
 
@@ -78,7 +84,10 @@ def calibrate(config: EngineConfig, seed: int = 0) -> CostModel:
             return logits
 
     runner = Timed()
-    engine = Engine(config.model_copy(update={"enable_prefix_cache": False}), runner=runner)
+    # one token per decode: the model's fit has no term for drafts (speculation is off in
+    # the simulator too: its zero logits would make every draft of token 0 "accepted")
+    plain = no_drafts(config).model_copy(update={"enable_prefix_cache": False})
+    engine = Engine(plain, runner=runner)
     rng = np.random.default_rng(seed)
     for round_ in range(6):  # waves of varied prompt lengths and batch sizes
         n = int(rng.integers(1, 24))

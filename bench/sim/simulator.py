@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bench.loadgen import RequestResult
-from bench.sim.cost_model import Clock, CostModel, CostRunner
+from bench.sim.cost_model import Clock, CostModel, CostRunner, no_drafts
 from bench.sim.index import SimIndex
 from bench.workloads import TraceRequest
 from kvindex.pulls import PullPrices, pull_source
@@ -104,6 +104,7 @@ class Simulation:
         self.cost = cost
         self.tally = PullTally()
         self.core = RoutingCore(policy, pulls=self.pull, stores=self.store)
+        config = no_drafts(config)  # the cost model prices one token per decode
         self.config = config
         self.hasher = config.block_hasher()
         self.tokenizer = checkpoint_for(config.model).tokenizer()

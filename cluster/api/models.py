@@ -138,6 +138,11 @@ class _CommonRequest(BaseModel):
     cache_retention: CacheRetention | None = Field(
         None, description="keep its blocks this long: for its session's next turn (x-session-id)"
     )
+    speculation: bool = Field(
+        True,
+        description="prompt-lookup drafts verified in the step (never changes the tokens); "
+        "false: one token per step",
+    )
 
     @property
     def stop_list(self) -> list[str]:
