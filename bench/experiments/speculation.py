@@ -16,6 +16,7 @@ engines sharing one model; every run's tokens are compared with the first ``off`
 ratio on/off of each adjacent pair (median, min, max: the spread), and the drafts verified,
 kept and steps saved. vLLM runs after ours in the same process tree, plain and with
 ``speculative_config={"method": "ngram", ...}`` at the same draft length and n-gram range.
+``--parts cluster`` measures the whole cluster (``bench.experiments.speculation_cluster``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.copy_prompts import chat_trace, copy_trace
+from bench.experiments.speculation_cluster import run_cluster
 from bench.peers.engines import ensure_hf_folder, ensure_vllm_venv, vllm_session
 from bench.peers.host import provenance, vllm_env
 from replica.checkpoints import SMOLLM2, checkpoint_for
@@ -49,9 +51,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-draft-tokens", type=int, default=4)
     parser.add_argument("--vllm", action="store_true", help="vLLM CPU plain and with ngram")
     parser.add_argument("--vllm-venv", type=Path, default=Path(".venv-vllm"))
+    parser.add_argument(
+        "--parts", default="engine", help="engine (one engine, and vLLM), cluster (make serve's)"
+    )
+    parser.add_argument("--concurrency", type=int, default=4, help="cluster: requests at once")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    parts = args.parts.split(",")
+    result: dict[str, Any] = {
+        "experiment": "speculation",
+        "conditions": {k: str(v) for k, v in vars(args).items() if k != "out"},
+        "provenance": provenance(),
+    }
+    if "engine" in parts:
+        result |= run_engine(args)
+    if "cluster" in parts:
+        result["cluster"] = run_cluster(args)
+    return result
+
+
+def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     base = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads)
     tokenizer = checkpoint_for(base.model).tokenizer()
     traces = {"copy": copy_trace(tokenizer), "chat": chat_trace(tokenizer)}
@@ -70,9 +90,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results[f"{name}/b{batch}"] = measure(runner, configs, prompts, batch, args)
     vllm = run_vllm(args, traces, batches) if args.vllm else None
     return {
-        "experiment": "speculation",
-        "conditions": {k: str(v) for k, v in vars(args).items() if k != "out"},
-        "provenance": provenance(),
         "summary": summarize(results, vllm),
         "runs": results,
         "vllm": vllm,
