@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from conftest import keep_logs
 from pydantic import BaseModel
 from streams import resumed, run_streams
 
-from bench.assistant_prompts import SUPPORT_SYSTEM_PROMPT
+from bench.assistant_prompts import LONG_DOCUMENT, SUPPORT_SYSTEM_PROMPT
 from bench.harness.launcher import ServeCluster
 from bench.harness.redis_server import LocalRedis
 from cluster.config import ClusterArgs
@@ -88,6 +89,41 @@ def test_streamed_text_equals_the_whole_reply_and_hides_the_end_token(
     assert streamed == text and text
     assert "<|im_end|>" not in text and "\ufffd" not in text
     assert whole.choices[0].finish_reason == "stop"  # it ended at <|im_end|>, not the limit
+
+
+def drafts_kept(cluster: ServeCluster) -> int:
+    replicas = cluster.stats()["replicas"].values()
+    return sum(r.get("accepted_draft_tokens") or 0 for r in replicas)
+
+
+def test_drafts_change_no_text_and_a_request_may_opt_out(cluster: ServeCluster) -> None:
+    """A reply that copies its prompt, with the engine's drafts (the default) and with
+    ``"speculation": false``, streamed and whole: one text; the replicas count drafts kept."""
+    client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="x", max_retries=0)
+    messages = [
+        {"role": "user", "content": "Repeat this exactly:\n\n" + LONG_DOCUMENT[:600]},
+    ]
+    before = drafts_kept(cluster)
+    texts = []
+    for extra in ({"speculation": False}, {}):
+        whole = client.chat.completions.create(
+            model=SMOLLM2, messages=messages, max_tokens=80, temperature=0, extra_body=extra
+        )
+        chunks = client.chat.completions.create(
+            model=SMOLLM2,
+            messages=messages,
+            max_tokens=80,
+            temperature=0,
+            stream=True,
+            extra_body=extra,
+        )
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        texts += [whole.choices[0].message.content, streamed]
+    assert len(set(texts)) == 1 and texts[0]
+    deadline = time.monotonic() + 30  # replicas report their counters every few seconds
+    while drafts_kept(cluster) <= before:
+        assert time.monotonic() < deadline, "no replica counted a kept draft"
+        time.sleep(0.5)
 
 
 @pytest.mark.parametrize(

@@ -5,10 +5,11 @@ Two traces of eight prompts, both from the project's prompt sets (``bench.assist
 and ``bench.copy_prompts``): ``copy`` asks to repeat, correct, quote, extract from or edit a
 given text (what agents, editors and RAG answers do), ``chat`` asks the support questions and
 general ones with little to copy. Each runs at every ``--batches`` size: batch 1 is each
-prompt alone, batch B the prompts B at a time. Greedy, ``--max-tokens`` at most, EOS ends a
-reply (a reply's length is the model's, the same with drafts or without, since the tokens
-are). Decode speed is measured inside each run: output tokens after the moment every prompt
-of the batch had its first token, over the seconds after that moment (prefill excluded).
+prompt alone, batch B the prompts B at a time (above eight, the eight repeated to fill it).
+Greedy, ``--max-tokens`` at most, EOS ends a reply (a reply's length is the model's, the
+same with drafts or without, since the tokens are). Decode speed is measured inside each
+run: output tokens after the moment every prompt of the batch had its first token, over the
+seconds after that moment (prefill excluded).
 
 Modes ``off`` and ``on`` (the engine's defaults) alternate ABBA over ``--repeats`` on fresh
 engines sharing one model; every run's tokens are compared with the first ``off`` run's
@@ -110,10 +111,7 @@ def measure(
     reference: list[list[int]] | None = None
     for mode in order:
         engine = Engine(configs[mode], runner)
-        timed = [
-            timed_batch(engine, prompts[i : i + batch], params)
-            for i in range(0, len(prompts), batch)
-        ]
+        timed = [timed_batch(engine, part, params) for part in batches_of(prompts, batch)]
         tokens = [t for part in timed for t in part["tokens"]]
         reference = reference or (tokens if mode == "off" else None)
         stats = engine.stats(latencies=False)
@@ -130,6 +128,14 @@ def measure(
             }
         )
     return {"order": order, **runs}
+
+
+def batches_of(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
+    """The trace in batches of ``batch``; a batch larger than the trace repeats its prompts
+    in order to fill it (the copies decode the same tokens, each in its own sequence)."""
+    if batch > len(prompts):
+        return [[prompts[i % len(prompts)] for i in range(batch)]]
+    return [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
 
 
 def timed_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
@@ -200,10 +206,10 @@ def vllm_rate(session: Any, prompts: list[list[int]], batch: int, max_tokens: in
     """vLLM's decode tokens/s over the trace at ``batch`` (the worker's ``generate`` job,
     greedy, EOS ending a reply), measured as ours is."""
     tokens = seconds = 0.0
-    for i in range(0, len(prompts), batch):
+    for part in batches_of(prompts, batch):
         job = {
             "kind": "generate",
-            "prompts": prompts[i : i + batch],
+            "prompts": part,
             "max_tokens": max_tokens,
             "repeats": 1,
             "ignore_eos": False,

@@ -24,7 +24,7 @@ from bench.peers.engines import (
 )
 from bench.peers.host import vllm_env
 from replica.checkpoints import checkpoint_for
-from replica.config import EngineConfig
+from replica.config import EngineConfig, SpeculationOptions
 from replica.model.runner import build_engine
 from replica.sampling.params import SamplingParams
 
@@ -156,6 +156,8 @@ def start_peer(
             max_num_seqs=max(batches),
             max_num_batched_tokens=args.max_num_batched_tokens,
             deterministic=deterministic,
+            # one token per decode step, as every peer here decodes (drafts: bench speculation)
+            speculation=SpeculationOptions(enabled=False),
         )
         return lambda: EnginePeer(config, warm)
 
