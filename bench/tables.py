@@ -1,8 +1,9 @@
 """The README's result tables, rendered from the JSON a run kept under ``docs/results/``.
 
 ``python -m bench.tables docs/results/<run>.json`` prints the table of a ``speed`` run
-(ours next to vLLM, or without peers how close ours came to the machine) or a ``stack`` run
-(our cluster next to Ray Serve LLM), with the commit
+(ours next to vLLM, or without peers how close ours came to the machine), a ``stack`` run
+(our cluster next to Ray Serve LLM) or a ``speculation`` run (drafts on and off, one engine
+next to vLLM's ``ngram``, or the whole cluster), with the commit
 and CPU it measured. The README places each table after a marker naming its file
 (``<!-- table: docs/results/<run>.json -->``), and ``tests/test_results_tables.py`` checks
 that every such table is exactly what this prints: a table cannot drift from its run.
@@ -122,11 +123,59 @@ def machine_table(run: dict[str, Any]) -> str:
     )
 
 
+def speculation_table(run: dict[str, Any]) -> str:
+    """Drafts on and off on one engine, per trace and batch, and vLLM's plain and ``ngram``
+    tokens/s beside them (a ``speculation`` run's ``summary``)."""
+    lines = [
+        "| trace | batch | off tok/s | on tok/s | on / off (spread) | drafts kept "
+        "| vLLM plain | vLLM `ngram` | ours on / vLLM `ngram` |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for key, row in run["summary"].items():
+        trace, batch = key.split("/b")
+        plain, ngram = row.get("vllm_plain_tokens_per_s"), row.get("vllm_ngram_tokens_per_s")
+        peer = (
+            f"{plain:.1f} | {ngram:.1f} | {row['on_tokens_per_s'] / ngram:.2f}x"
+            if ngram
+            else "- | - | -"
+        )
+        lines.append(
+            f"| {trace} | {batch} | {row['off_tokens_per_s']:.1f} | {row['on_tokens_per_s']:.1f} "
+            f"| {row['speedup']:.2f}x ({row['speedup_min']:.2f}-{row['speedup_max']:.2f}) "
+            f"| {row['acceptance']:.0%} | {peer} |"
+        )
+    return "\n".join(lines)
+
+
+def speculation_cluster_table(run: dict[str, Any]) -> str:
+    """The whole cluster with drafts on and off (a ``speculation --parts cluster`` run)."""
+    summary = run["cluster"]["summary"]
+    off = summary["off"]
+    lines = [
+        "| mode | requests | output tokens | e2e p50 | time per output token p50 "
+        "| gap between chunks p50 | TTFT p50 |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for mode, label in (("off", "drafts off"), ("on", "drafts on")):
+        m = summary[mode]
+        e2e, tpot = m["e2e_p50_s"], m["time_per_output_token_p50_s"]
+        ratio = "" if mode == "off" else f" ({e2e / off['e2e_p50_s']:.2f}x)"
+        tpot_ratio = "" if mode == "off" else f" ({tpot / off['time_per_output_token_p50_s']:.2f}x)"
+        lines.append(
+            f"| {label} | {m['requests']} | {m['output_tokens']:,} | {e2e:.2f} s{ratio} "
+            f"| {tpot * 1000:.1f} ms{tpot_ratio} | {m['itl_p50_s'] * 1000:.1f} ms "
+            f"| {m['ttft_p50_s']:.3f} s |"
+        )
+    return "\n".join(lines)
+
+
 def render(path: Path, name: str | None = None) -> str:
     """The table of the run kept at ``path`` (cited as ``name``, else the path as given),
     and the line naming what it measured."""
     run = json.loads(path.read_text())
-    if "rounds" in run:
+    if run.get("experiment") == "speculation":
+        table = speculation_table(run) if "summary" in run else speculation_cluster_table(run)
+    elif "rounds" in run:
         table = stack_table(run)
     else:
         table = speed_table(run) if "vllm" in run else machine_table(run)
