@@ -292,14 +292,21 @@ def test_greedy_tokens_logprobs_and_rows_are_plain_decodings(
     assert_same(result, plain_greedy)
 
 
+@pytest.fixture(scope="module")
+def plain_seeded(runner, prompts) -> Result:
+    return run_all(engine_with(runner, PLAIN), prompts, SEEDED)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8, "adaptive"])
 @pytest.mark.parametrize("dtype", [SERVED])
-def test_seeded_sampling_with_penalties_is_plain_decodings(runner, prompts, dtype) -> None:
-    reference = run_all(engine_with(runner, PLAIN), prompts, SEEDED)
-    for speculation in (fixed(3), SpeculationOptions()):
-        engine = engine_with(runner, speculation)
-        result = run_all(engine, prompts, SEEDED)
-        assert engine.stats().accepted_draft_tokens > 0
-        assert_same(result, reference)
+def test_seeded_sampling_with_penalties_is_plain_decodings(
+    runner, prompts, plain_seeded, k, dtype
+) -> None:
+    engine = engine_with(runner, SpeculationOptions() if k == "adaptive" else fixed(k))
+    result = run_all(engine, prompts, SEEDED)
+    stats = engine.stats()
+    assert stats.draft_tokens > stats.accepted_draft_tokens > 0, stats
+    assert_same(result, plain_seeded)
 
 
 @pytest.mark.parametrize("dtype", [SERVED])
