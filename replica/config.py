@@ -71,7 +71,8 @@ class SpeculationOptions(BaseModel):
     adaptive: bool = Field(
         True,
         description="per sequence: two more drafts after a step that accepted all, one "
-        "fewer after one that did not; false: always max_draft_tokens",
+        "fewer after one that did not, and only as many as its keep rate pays for in a step "
+        "of this size (replica.engine.step_cost); false: always max_draft_tokens",
     )
 
     @model_validator(mode="after")

@@ -28,6 +28,7 @@ from replica.engine.drafts import Drafter
 from replica.engine.engine import Engine
 from replica.engine.sequence import Sequence
 from replica.engine.step import ScheduledBatch
+from replica.engine.step_cost import StepCost
 from replica.model.cpu import resolve_dtype
 from replica.model.runner import ModelRunner
 from replica.sampling.params import SamplingParams, StructuredOutput
@@ -80,6 +81,39 @@ def test_drafts_copy_the_text_after_the_longest_match_and_adapt_their_length() -
     still = fixed.new_state()
     fixed.record(still, drafted=3, accepted=0)
     assert still.length == 3
+
+
+def test_the_step_cost_line_and_what_a_draft_must_be_kept_with_to_pay() -> None:
+    """Steps of 13 ms plus 1.27 ms a token (this CPU's SmolLM2 decode, README): a draft in a
+    batch-1 step pays from a 9% chance of being kept, in a batch-32 step from 76%."""
+    cost = StepCost()
+    assert cost.draft_threshold(1, 1) == 0.0  # nothing known: drafts limited by length only
+    for tokens in (1, 5, 8, 32, 40, 64, 3, 17, 100, 2):
+        cost.record(tokens, 0.013 + 0.00127 * tokens)
+    fixed, per_token = cost.line()
+    assert fixed == pytest.approx(0.013) and per_token == pytest.approx(0.00127)
+    assert cost.draft_threshold(1, 1) == pytest.approx(0.00127 / 0.01427)
+    assert cost.draft_threshold(32, 32) == pytest.approx(32 * 0.00127 / (0.013 + 0.04064))
+    steady = StepCost()
+    for _ in range(50):
+        steady.record(32, 0.05)
+    assert steady.line() is None  # one size of step says nothing of a token's cost
+
+
+def test_a_sequence_drafts_only_what_its_keep_rate_pays_for() -> None:
+    drafter = Drafter(SpeculationOptions(max_draft_tokens=8))
+    state = drafter.new_state()
+    text = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2]
+    assert len(drafter.propose(state, text, 8, threshold=0.0)) == 8  # no cost known
+    assert len(drafter.propose(state, text, 8, threshold=0.76)) == 0  # prior 0.75 < 0.76
+    for _ in range(30):  # a sequence that copies: every draft kept
+        drafter.record(state, drafted=4, accepted=4)
+    assert state.keep_rate > 0.95
+    assert len(drafter.propose(state, text, 8, threshold=0.76)) >= 5
+    for _ in range(30):  # one that does not: its first draft rejected every step
+        drafter.record(state, drafted=2, accepted=0)
+    assert state.keep_rate < 0.2
+    assert len(drafter.propose(state, text, 8, threshold=0.2)) == 0
 
 
 # -- blocks on a tiny pool ---------------------------------------------------------------------

@@ -19,9 +19,13 @@ after a step that rejected one, between 1 and ``max_draft_tokens``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from replica.config import SpeculationOptions
+from replica.engine.step_cost import StepCost
+
+_RATE_DECAY = 0.9  # a verified step's weight in a sequence's keep rate fades by this
 
 
 @dataclass
@@ -35,6 +39,13 @@ class DraftState:
     length: int
     ends: dict[tuple[int, ...], int] = field(default_factory=dict)
     indexed: int = 0
+    kept: float = 3.0  # drafts kept, and drafts tried (kept + first rejected), recent
+    tried: float = 4.0  # steps weighing most; 3 of 4 before any: a prior of 0.75
+
+    @property
+    def keep_rate(self) -> float:
+        """The chance that a drafted token is kept, given the ones before it were."""
+        return self.kept / self.tried
 
 
 class Drafter:
@@ -42,14 +53,20 @@ class Drafter:
 
     def __init__(self, options: SpeculationOptions) -> None:
         self.options = options
+        self.cost = StepCost()  # the engine records every step's tokens and seconds
 
     def new_state(self) -> DraftState:
         return DraftState(self.options.max_draft_tokens)
 
-    def propose(self, state: DraftState, tokens: list[int], limit: int) -> list[int]:
+    def propose(
+        self, state: DraftState, tokens: list[int], limit: int, threshold: float = 0.0
+    ) -> list[int]:
         """At most ``min(state.length, limit)`` tokens expected after ``tokens``: those that
-        followed the latest earlier occurrence of its longest matching suffix (none: [])."""
-        limit = min(limit, state.length)
+        followed the latest earlier occurrence of its longest matching suffix (none: []).
+        With ``adaptive``, only as many as are each likely enough to be kept to pay for
+        their place in the step: the k-th is kept with chance ``keep_rate ** k``, which
+        must reach ``threshold`` (``StepCost.draft_threshold``)."""
+        limit = min(limit, state.length, self._worth(state, threshold))
         if limit <= 0:
             return []
         self._index(state, tokens)
@@ -61,13 +78,29 @@ class Drafter:
         return []
 
     def record(self, state: DraftState, drafted: int, accepted: int) -> None:
-        """A verified step of ``drafted`` tokens kept ``accepted``: the next length."""
+        """A verified step of ``drafted`` tokens kept ``accepted``: the next length, and
+        the sequence's keep rate (the first rejected draft counts as tried)."""
         if not self.options.adaptive or not drafted:
             return
+        state.kept = _RATE_DECAY * state.kept + accepted
+        state.tried = _RATE_DECAY * state.tried + accepted + (accepted < drafted)
         top = self.options.max_draft_tokens
         state.length = (
             min(top, state.length + 2) if accepted == drafted else max(1, state.length - 1)
         )
+
+    def _worth(self, state: DraftState, threshold: float) -> int:
+        """How many drafts each keep their place: the largest k with ``keep_rate ** k``
+        at least ``threshold`` (all of them without ``adaptive`` or a threshold)."""
+        top = self.options.max_draft_tokens
+        if not self.options.adaptive or threshold <= 0.0:
+            return top
+        rate = state.keep_rate
+        if rate >= 1.0:
+            return top
+        if rate <= 0.0 or rate < threshold:
+            return 0
+        return min(top, int(math.log(threshold) / math.log(rate)))
 
     def _index(self, state: DraftState, tokens: list[int]) -> None:
         """Index every gram ending before the last token's position + 1, except the suffix

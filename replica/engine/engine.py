@@ -186,7 +186,11 @@ class Engine:
         self.metrics.preemptions += len(batch.preempted)
         outputs = []
         if batch:
-            outputs = self._finish_step(batch, self.runner.execute(batch))
+            started = self.clock()
+            logits = self.runner.execute(batch)
+            if self.drafter is not None:  # what a token costs a step: whether drafts pay
+                self.drafter.cost.record(batch.num_tokens, self.clock() - started)
+            outputs = self._finish_step(batch, logits)
             self.metrics.steps += 1
         self._emit_events()
         if self.store is not None:  # what this step released, copied behind it

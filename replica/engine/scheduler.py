@@ -189,9 +189,13 @@ class Scheduler:
     def _add_drafts(self, batch: ScheduledBatch, budget: int) -> None:
         """Each speculating decode, oldest first, drafts what the budget left allows, at
         most its own draft length and one fewer than its ``max_tokens`` left (the step's
-        sampled token is the last one counted), in free blocks."""
+        sampled token is the last one counted), in free blocks, and only drafts likely
+        enough to be kept to pay for their place in a step this size
+        (``replica.engine.step_cost``)."""
         if self.drafter is None:
             return
+        # what a drafted token must be likely to be kept to pay, in a step this size
+        threshold = self.drafter.cost.draft_threshold(sum(batch.samples), batch.num_tokens)
         for i, seq in enumerate(batch.seqs):
             if budget <= 0:
                 return
@@ -200,7 +204,7 @@ class Scheduler:
             if not seq.num_output_tokens:  # its first token: choices may fork from it
                 continue
             room = min(budget, seq.params.max_tokens - seq.num_output_tokens - 1)
-            drafts = self.drafter.propose(seq.drafts, seq.token_ids, room)
+            drafts = self.drafter.propose(seq.drafts, seq.token_ids, room, threshold)
             drafts = drafts[: self.block_manager.draft_slots(seq, len(drafts))]
             if drafts:
                 batch.add_drafts(i, drafts)
