@@ -207,7 +207,7 @@ bench: install install-vllm
 	    --tool-wait 10,60 --num-blocks 512 --pinned 0.6 --background 0.8 --retention-s 90 \
 	    --max-tokens 24 --modes none,retention,store --repeats 2 --out results/sessions
 	$(PY) -m bench kv_shares --requests 240 --repeats 2 --out results/kv_shares.json
-	$(PY) -m bench speculation --vllm --out results/speculation.json
+	$(PY) -m bench speculation --batches 1,8,32 --vllm --out results/speculation.json
 	$(PY) -m bench speculation --parts cluster --repeats 2 --concurrency 4 \
 	    --out results/speculation_cluster.json
 	$(PY) -m bench kv_shares --requests 240 --repeats 2 --light-fraction 0.1 \
