@@ -38,8 +38,8 @@ def fork_choices(
         child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
         child.num_computed_tokens = parent.num_prompt_tokens
         child.grammar = parent.grammar.fresh() if parent.grammar is not None else None
-        if parent.drafts is not None:  # it drafts too, from an index of its own text
-            child.drafts = type(parent.drafts)(parent.drafts.length)
+        if parent.drafts is not None and scheduler.drafter is not None:  # an index of its own
+            child.drafts = scheduler.drafter.new_state()
         sample = sampler.sample_one(row, child.sample_row())
         room = len(scheduler.running) < scheduler.max_num_seqs  # the step's sequence cap
         if room and scheduler.block_manager.fork(parent, child):

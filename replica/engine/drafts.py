@@ -14,7 +14,9 @@ the context length (vLLM's ``ngram`` proposer rescans the context each step).
 
 The draft length adapts per sequence (``SpeculationOptions.adaptive``), as Hugging Face's
 assisted generation does: two more after a step that accepted every draft, one fewer
-after a step that rejected one, between 1 and ``max_draft_tokens``.
+after a step that rejected one, between 1 and ``max_draft_tokens``; and no more than the
+sequence's recent keep rate pays for in a step of the size scheduled
+(``replica.engine.step_cost``).
 """
 
 from __future__ import annotations

@@ -343,11 +343,12 @@ class Engine:
         except Exception as exc:  # one request's failure, never the step's
             return self._fail(seq, exc)
         m = self.metrics
-        seq.num_computed_tokens += verified.rows_used - 1  # the decode token counted already
-        m.computed_tokens += verified.rows_used - 1
+        beyond_one = len(verified.samples) - 1  # the decode token was counted already
+        seq.num_computed_tokens += beyond_one
+        m.computed_tokens += beyond_one
         m.draft_tokens += len(drafts)
         m.accepted_draft_tokens += verified.accepted
-        m.draft_steps_saved += len(verified.samples) - 1
+        m.draft_steps_saved += beyond_one
         if seq.drafts is not None and self.drafter is not None:
             self.drafter.record(seq.drafts, len(drafts), verified.accepted)
         self.block_manager.settle_drafts(seq)

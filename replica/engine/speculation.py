@@ -28,16 +28,13 @@ from replica.sampling.sampler import Sample, Sampler
 @dataclass(frozen=True)
 class Verified:
     """What one sequence's step yielded: its samples, committed in order, and how many of
-    its drafts they confirmed (``samples`` holds one more unless it finished on a draft)."""
+    its drafts they confirmed (``samples`` holds one more unless it finished on a draft).
+    Each sample came from a row whose position holds a token decoding chose (the last
+    token's, then the confirmed drafts'), so the sequence's computed tokens grow by
+    ``len(samples)``."""
 
     samples: list[Sample]
     accepted: int
-
-    @property
-    def rows_used(self) -> int:
-        """Positions whose KV holds the tokens decoding chose: the last token's and the
-        confirmed drafts' (the sequence's computed tokens grow by this)."""
-        return min(len(self.samples), self.accepted + 1)
 
 
 def verify(
