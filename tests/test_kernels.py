@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from replica.checkpoints import SMOLLM2, checkpoint_for
+from replica.checkpoints.shape import ModelShape
 from replica.model import kernels
 from replica.model.attention import (
     KVCache,
@@ -342,7 +343,9 @@ def test_the_fused_layer_steps_equal_their_torch_references() -> None:
     gate, up = gate_up.split(1536, dim=-1)
     assert close(ops.silu_mul(gate_up), F.silu(gate) * up)
     assert torch.equal(ops.silu_mul(gate_up[5:6])[0], ops.silu_mul(gate_up)[5])
-    rotary = RotaryEmbedding(64, 4096, 100000.0)
+    rotary = RotaryEmbedding(
+        ModelShape(hidden_size=576, num_heads=9, num_kv_heads=3, rope_theta=100000.0)
+    )
     cos, sin = rotary.at(torch.arange(100, 164), dt)
     qk = torch.randn(64, 12, 64, generator=gen).to(dt)
     ours, theirs = qk.clone(), qk.clone()

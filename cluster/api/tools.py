@@ -1,8 +1,12 @@
 """Tool calls: the tools in the prompt, and a reply's text turned into ``tool_calls``.
 
-Prompt: a chat template that knows tools renders them itself; otherwise (SmolLM2's does not)
-a system message lists them and asks for a call as ``<tool_call>{"name": ..., "arguments":
-...}</tool_call>``, and earlier calls in the conversation are written back the same way.
+Prompt: a chat template that knows tools (Llama 3's, Qwen2.5's, Qwen3's) renders them itself,
+and gets the conversation as transformers documents it for such templates: an assistant
+message's ``tool_calls`` with their arguments as objects, ``tool`` messages as they came, so
+each family writes calls and results in its own format (Qwen's ``<tool_call>`` and
+``<tool_response>``, Llama 3's ``"parameters"`` object). Otherwise (SmolLM2's template knows
+no tools) a system message lists them and asks for a call as ``<tool_call>{"name": ...,
+"arguments": ...}</tool_call>``, and earlier calls are written back the same way, as text.
 ``tool_choice: none`` leaves the tools out of the prompt.
 
 Reply, by mode (``ChatCompletionRequest.tool_mode``):
@@ -12,8 +16,9 @@ Reply, by mode (``ChatCompletionRequest.tool_mode``):
 * ``required``: held to ``{"name": ..., "arguments": ...}`` over the tools; the call's name
   streams as soon as it is complete, then its arguments as they come.
 * ``auto``: free text. It is a call when, stripped, it is ``<tool_call>`` followed by such an
-  object (the closing tag optional), or is such an object alone, naming a tool; anything
-  else is content. While the text could still become a call (it starts with ``{`` or with
+  object (the closing tag optional), or is such an object alone, naming a tool (its
+  arguments under ``arguments``, or ``parameters`` as Llama 3 writes them); anything else is
+  content. While the text could still become a call (it starts with ``{`` or with
   ``<tool_call>`` or a prefix of it) it is held back, then sent as a call or as content.
 """
 
@@ -24,7 +29,7 @@ import re
 import uuid
 from typing import Any
 
-from cluster.api.formats import Tool
+from cluster.api.formats import Tool, ToolCall
 from cluster.api.models import ChatCompletionRequest, ChatMessage
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -45,7 +50,10 @@ def tool_preamble(tools: list[Tool]) -> str:
 
 def template_messages(body: ChatCompletionRequest, template_has_tools: bool) -> list[dict]:
     """The conversation as the chat template takes it (``developer`` as ``system``; tool
-    calls written back as text), the tool list in a system message where needed."""
+    calls as the template's own, or written back as text), the tool list in a system
+    message where the template has none."""
+    if template_has_tools:
+        return [_as_native(m) for m in body.messages]
     messages = [_as_template(m) for m in body.messages]
     if body.tools and body.tool_mode != "none" and not template_has_tools:
         preamble = tool_preamble(body.tools)
@@ -60,6 +68,37 @@ def template_tools(body: ChatCompletionRequest) -> list[dict] | None:
     if not body.tools or body.tool_mode == "none":
         return None
     return [t.model_dump(exclude_none=True) for t in body.tools]
+
+
+def _as_native(m: ChatMessage) -> dict[str, Any]:
+    """A message as tool-aware templates read it: ``tool_calls`` only where there are calls
+    (Llama 3's template tests for the key), each call's arguments parsed into an object
+    (Qwen2.5's and Llama 3's write them with ``tojson``), no content key on a call with
+    no text."""
+    message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
+    if m.text or not m.tool_calls:
+        message["content"] = m.text
+    if m.tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": _arguments(call)},
+            }
+            for call in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    return message
+
+
+def _arguments(call: ToolCall) -> Any:
+    """A call's arguments as an object; a string that is not JSON stays a string (the
+    template then writes it as it came)."""
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
 
 
 def _as_template(m: ChatMessage) -> dict[str, str]:
@@ -141,7 +180,7 @@ class ToolCallStream:
             return False
         if not isinstance(call, dict) or call.get("name") not in self.names:
             return False
-        arguments = call.get("arguments", {})
+        arguments = call.get("arguments", call.get("parameters", {}))
         if not isinstance(arguments, dict):
             return False
         self.name = call["name"]

@@ -1,11 +1,14 @@
-"""A llama.cpp GGUF file: shape and tokenizer from its metadata, weights dequantized.
+"""A llama.cpp GGUF file (architectures ``llama``, ``qwen2``, ``qwen3``): shape and tokenizer
+from its metadata, weights dequantized.
 
 The header is read by ``gguf_file.GGUFFile`` (a tenth of a second, where ``gguf.GGUFReader``
 takes seconds), weights by ``gguf.quants.dequantize``; every weight is dequantized to
-float32 and renamed to Hugging Face ``LlamaForCausalLM`` names. llama.cpp's converter
-permutes the rows of the Q and K projections for its rotary layout (pairs of adjacent
-dimensions instead of two halves); ``unpermute_rotary`` undoes that, as transformers' own
-GGUF loader does.
+float32 (any type ``gguf`` dequantizes: F32, F16, BF16, Q4_1, Q8_0, the K-quants...) and
+renamed to Hugging Face names. For Llama models llama.cpp's converter permutes the rows of
+the Q and K projections for its rotary layout (pairs of adjacent dimensions instead of two
+halves); ``unpermute_rotary`` undoes that, as transformers' own GGUF loader does (Qwen
+models keep the rotate-half layout: no permutation). Llama 3's rotary scaling is stored as
+the ``rope_freqs`` tensor, one divisor per frequency: it becomes part of the shape.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from replica.checkpoints import Checkpoint, CheckpointError
+from replica.checkpoints.families import FAMILY_SWITCHES
 from replica.checkpoints.gguf_file import GGUFFile
 from replica.checkpoints.registry import file_identity
 from replica.checkpoints.shape import ModelShape
@@ -30,6 +34,8 @@ if TYPE_CHECKING:  # torch loads with the weights, not with a tokenizer (the ing
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -87,6 +93,8 @@ class GGUFCheckpoint(Checkpoint):
         _progress(f"loading {self.name}: {len(tensors)} tensors from {self.path}")
         state: dict[str, torch.Tensor] = {}
         for i, tensor in enumerate(tensors, 1):
+            if tensor.name == ROPE_FREQS:  # in the shape already
+                continue
             try:
                 name = hf_name(tensor.name)
                 data = self._file.data(tensor)
@@ -94,9 +102,9 @@ class GGUFCheckpoint(Checkpoint):
                 weight = dequantize(data, kind).astype(np.float32)
             except Exception as exc:  # truncated data, an unknown type or tensor name
                 raise CheckpointError(f"{self.path}: tensor {tensor.name}: {exc}") from None
-            if name.endswith("q_proj.weight"):
+            if shape.architecture == "llama" and name.endswith("q_proj.weight"):
                 weight = unpermute_rotary(weight, shape.num_heads)
-            elif name.endswith("k_proj.weight"):
+            elif shape.architecture == "llama" and name.endswith("k_proj.weight"):
                 weight = unpermute_rotary(weight, shape.num_kv_heads)
             state[name] = torch.from_numpy(np.ascontiguousarray(weight))
             if i % max(1, len(tensors) // 4) == 0:
@@ -131,32 +139,51 @@ def _open(path: Path) -> GGUFFile:
 
 
 def _shape(file: GGUFFile, path: Path) -> ModelShape:
-    def field(key: str, default: Any = None) -> Any:
-        return file.metadata.get(key, default)
+    arch = file.metadata.get("general.architecture")
+    if arch not in FAMILY_SWITCHES:
+        raise CheckpointError(
+            f"{path}: a '{arch}' model; the served architectures are {', '.join(FAMILY_SWITCHES)}"
+        )
 
-    arch = field("general.architecture")
-    if arch != "llama":
-        raise CheckpointError(f"{path}: a '{arch}' model, and only Llama models are served")
-    tokens = field("tokenizer.ggml.tokens") or []
-    eos = field("tokenizer.ggml.eos_token_id")
+    def field(key: str, default: Any = None) -> Any:
+        return file.metadata.get(f"{arch}.{key}", default)
+
+    tokens = file.metadata.get("tokenizer.ggml.tokens") or []
+    eos = file.metadata.get("tokenizer.ggml.eos_token_id")
     ends = {tokens.index(t) for t in END_TOKENS if t in tokens}
-    heads = field("llama.attention.head_count")
+    heads = field("attention.head_count")
+    names = {t.name for t in file.tensors}
     try:
         return ModelShape(
-            vocab_size=field("llama.vocab_size", len(tokens)),
-            hidden_size=field("llama.embedding_length"),
-            num_layers=field("llama.block_count"),
+            architecture=arch,
+            vocab_size=field("vocab_size", len(tokens)),
+            hidden_size=field("embedding_length"),
+            num_layers=field("block_count"),
             num_heads=heads,
-            num_kv_heads=field("llama.attention.head_count_kv", heads),
-            intermediate_size=field("llama.feed_forward_length"),
-            rope_theta=field("llama.rope.freq_base", 10000.0),
-            rms_norm_eps=field("llama.attention.layer_norm_rms_epsilon", 1e-5),
-            max_position=field("llama.context_length", 4096),
-            tie_word_embeddings=not any(t.name == "output.weight" for t in file.tensors),
+            num_kv_heads=field("attention.head_count_kv", heads),
+            head_dim=field("attention.key_length", 0),
+            intermediate_size=field("feed_forward_length"),
+            rope_theta=field("rope.freq_base", 10000.0),
+            rope_freq_factors=_freq_factors(file),
+            qkv_bias="blk.0.attn_q.bias" in names,
+            qk_norm="blk.0.attn_q_norm.weight" in names,
+            rms_norm_eps=field("attention.layer_norm_rms_epsilon", 1e-5),
+            max_position=field("context_length", 4096),
+            tie_word_embeddings="output.weight" not in names,
             eos_token_ids=tuple(sorted({eos, *ends} - {None})),
         )
     except ValueError as exc:
-        raise CheckpointError(f"{path}: incomplete Llama metadata ({exc})") from None
+        raise CheckpointError(f"{path}: incomplete {arch} metadata ({exc})") from None
+
+
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's Llama 3 rotary divisors, one per frequency
+
+
+def _freq_factors(file: GGUFFile) -> tuple[float, ...] | None:
+    tensor = next((t for t in file.tensors if t.name == ROPE_FREQS), None)
+    if tensor is None:
+        return None
+    return tuple(float(f) for f in np.asarray(file.data(tensor), dtype=np.float64).ravel())
 
 
 def _progress(line: str) -> None:

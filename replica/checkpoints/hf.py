@@ -1,5 +1,6 @@
-"""A Hugging Face Llama folder (``config.json``, ``*.safetensors``, ``tokenizer.json``), and
-the way back: any checkpoint written out as such a folder (for transformers and vLLM)."""
+"""A Hugging Face Llama, Qwen2 or Qwen3 folder (``config.json``, ``*.safetensors``,
+``tokenizer.json``), and the way back: any checkpoint written out as such a folder (for
+transformers and vLLM)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from replica.checkpoints import Checkpoint, CheckpointError
+from replica.checkpoints.families import FAMILY_SWITCHES, freq_factors, refusal, rope_parameters
 from replica.checkpoints.registry import file_identity
 from replica.checkpoints.shape import ModelShape
 from replica.checkpoints.tokenizer import END_TOKENS, HFTokenizer, Tokenizer
@@ -52,36 +54,41 @@ class HFFolderCheckpoint(Checkpoint):
 
 
 def _shape(folder: Path) -> ModelShape:
-    """Read ``config.json``. transformers 5 writes the rotary base under
-    ``rope_parameters.rope_theta``; older versions at the top level."""
+    """Read ``config.json`` (a Llama, Qwen2 or Qwen3 config; anything else is refused with
+    the reason, ``families.refusal``)."""
     try:
         hf = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{folder}: no readable config.json ({exc})") from None
-    if hf.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in hf.get(
-        "architectures", []
-    ):
-        raise CheckpointError(f"{folder}: a '{hf.get('model_type')}' model, not a Llama model")
-    rope = hf.get("rope_parameters") or {}
+    hf.setdefault("model_type", "llama")
+    reason = refusal(hf)
+    if reason:
+        raise CheckpointError(f"{folder}: {reason}")
     eos = hf.get("eos_token_id")
     try:
+        heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         return ModelShape(
+            architecture=hf["model_type"],
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             num_layers=hf["num_hidden_layers"],
-            num_heads=hf["num_attention_heads"],
-            num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
             intermediate_size=hf["intermediate_size"],
-            rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+            rope_theta=rope_parameters(hf)["rope_theta"],
+            rope_freq_factors=freq_factors(hf, head_dim),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
             max_position=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             eos_token_ids=tuple(
                 sorted({*(eos if isinstance(eos, list) else [eos]), *_end_tokens(folder)} - {None})
             ),
+            **FAMILY_SWITCHES[hf["model_type"]],
         )
     except (KeyError, ValueError) as exc:
-        raise CheckpointError(f"{folder}/config.json: not a Llama config ({exc})") from None
+        raise CheckpointError(f"{folder}/config.json: incomplete or invalid ({exc})") from None
 
 
 def _end_tokens(folder: Path) -> tuple[int, ...]:
@@ -93,16 +100,27 @@ def _end_tokens(folder: Path) -> tuple[int, ...]:
     return tuple(sorted(t["id"] for t in added if t.get("content") in END_TOKENS))
 
 
+_HF_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
 def hf_config(shape: ModelShape) -> dict[str, Any]:
-    """``config.json`` of a Hugging Face ``LlamaForCausalLM`` with this shape."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    """``config.json`` of the Hugging Face model with this shape. A shape with scaled rotary
+    frequencies (read from a GGUF file's factors) has no such config: refused."""
+    if shape.rope_freq_factors is not None:
+        raise CheckpointError("rotary frequency factors have no Hugging Face config to export")
+    config = {
+        "architectures": [_HF_CLASSES[shape.architecture]],
+        "model_type": shape.architecture,
         "vocab_size": shape.vocab_size,
         "hidden_size": shape.hidden_size,
         "num_hidden_layers": shape.num_layers,
         "num_attention_heads": shape.num_heads,
         "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
         "intermediate_size": shape.intermediate_size,
         "hidden_act": "silu",
         "rope_theta": shape.rope_theta,
@@ -111,14 +129,16 @@ def hf_config(shape: ModelShape) -> dict[str, Any]:
         "max_position_embeddings": shape.max_position,
         "tie_word_embeddings": shape.tie_word_embeddings,
         "attention_bias": False,
-        "mlp_bias": False,
         "eos_token_id": list(shape.eos_token_ids),
         "torch_dtype": "float32",
     }
+    if shape.architecture == "llama":
+        config["mlp_bias"] = False
+    return config
 
 
 def export_hf_folder(checkpoint: Checkpoint, folder: Path) -> Path:
-    """Write ``checkpoint`` as a Hugging Face Llama folder (float32 safetensors, config and,
+    """Write ``checkpoint`` as a Hugging Face folder of its family (float32 safetensors, config and,
     for a real model, its tokenizer with the chat template), for peers to load."""
     from safetensors.torch import save_file
 

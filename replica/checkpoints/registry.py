@@ -1,10 +1,11 @@
 """Where a model comes from: its shape, its weights and its tokenizer.
 
 ``checkpoint_for(model)`` resolves what ``EngineConfig.model`` names: a built-in model, a
-``.gguf`` file, a Hugging Face Llama folder, or a shape for seeded random weights. Reading a
-checkpoint's shape is cheap (its header) and cached per checkpoint; weights and tokenizer
-load only when an engine or an ingress asks for them. Anything that is not a readable Llama
-checkpoint raises ``CheckpointError``: one sentence naming the file.
+``.gguf`` file, a Hugging Face folder (Llama, Qwen2, Qwen3), or a shape for seeded random
+weights. Reading a checkpoint's shape is cheap (its header) and cached per checkpoint;
+weights and tokenizer load only when an engine or an ingress asks for them. Anything that is
+not a readable checkpoint of a served family raises ``CheckpointError``: one sentence naming
+the file.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def _resolve(model: str) -> Checkpoint:
         return HFFolderCheckpoint(path)
     raise CheckpointError(
         f"model '{model}' is neither a built-in model ({', '.join(BUILTIN_MODELS)}), "
-        "an existing .gguf file nor a Hugging Face Llama folder"
+        "an existing .gguf file nor a Hugging Face model folder"
     )
 
 

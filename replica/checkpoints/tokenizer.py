@@ -37,7 +37,7 @@ class Tokenizer(Protocol):
         ...
 
     def render_chat(
-        self, messages: Sequence[Mapping[str, str]], tools: list[dict] | None = None
+        self, messages: Sequence[Mapping[str, Any]], tools: list[dict] | None = None
     ) -> str:
         """The prompt for a conversation (``role``/``content``), ending where the
         assistant's reply begins; ``tools`` only where ``template_has_tools``."""
@@ -73,7 +73,7 @@ class ByteTokenizer:
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
 
     def render_chat(
-        self, messages: Sequence[Mapping[str, str]], tools: list[dict] | None = None
+        self, messages: Sequence[Mapping[str, Any]], tools: list[dict] | None = None
     ) -> str:
         parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
         return "".join(parts) + "<|assistant|>\n"
@@ -119,7 +119,7 @@ class HFTokenizer:
         return self._tok.decode(list(token_ids), skip_special_tokens=True)
 
     def render_chat(
-        self, messages: Sequence[Mapping[str, str]], tools: list[dict] | None = None
+        self, messages: Sequence[Mapping[str, Any]], tools: list[dict] | None = None
     ) -> str:
         extra = {"tools": tools} if tools and self.template_has_tools else {}
         return self._tok.apply_chat_template(

@@ -1,8 +1,11 @@
 """A Llama-family decoder (RMSNorm, RoPE, SwiGLU, grouped KV heads) over the paged KV cache.
 
-Parameter names follow Hugging Face's ``LlamaForCausalLM`` except that Q/K/V and gate/up are
-fused (``load_weights`` fuses any checkpoint's weights, ``hf_state_dict`` splits them back);
-without a checkpoint the weights are seeded random.
+Parameter names follow Hugging Face's ``LlamaForCausalLM`` (and ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM``, which share them) except that Q/K/V and gate/up are fused
+(``load_weights`` fuses any checkpoint's weights, ``hf_state_dict`` splits them back);
+without a checkpoint the weights are seeded random. The families differ only in what the
+shape switches on (``ModelShape``): Q/K/V biases, per-head Q/K norms, the head size, the
+rotary frequencies' factors.
 """
 
 from __future__ import annotations
@@ -45,9 +48,13 @@ class RotaryEmbedding(nn.Module):
     """RoPE in the rotate-half layout that Hugging Face Llama checkpoints use. ``at`` looks up
     a step's positions once; every layer then rotates with them."""
 
-    def __init__(self, head_dim: int, max_position: int, theta: float) -> None:
+    def __init__(self, config: ModelShape) -> None:
         super().__init__()
+        head_dim, theta = config.head_dim, config.rope_theta
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        if config.rope_freq_factors is not None:  # Llama 3's long-context scaling
+            inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float64)
+        max_position = config.max_position
         angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
         self.register_buffer("cos", angles.cos().float(), persistent=False)
@@ -69,9 +76,16 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool) 
     x.copy_(x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin)
 
 
+def norm_heads_(x: torch.Tensor, norm: RMSNorm, fused: bool) -> None:
+    """``x``: [tokens, heads, head_dim] (a view), each head's row normalized in place."""
+    rows = x.reshape(-1, x.shape[-1])  # a copy: the heads are a slice of the fused rows
+    x.copy_(norm(rows, fused).view_as(x))
+
+
 class LlamaAttention(nn.Module):
     """Q, K and V come from one fused projection (one matrix product instead of three);
-    Q and K are rotated together."""
+    Q and K are normalized per head where the family does it (Qwen3), then rotated
+    together."""
 
     def __init__(self, config: ModelShape) -> None:
         super().__init__()
@@ -79,8 +93,12 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         kv_dim = config.num_kv_heads * config.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, config.hidden_size + 2 * kv_dim, bias=False)
-        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, config.q_size + 2 * kv_dim, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -93,6 +111,9 @@ class LlamaAttention(nn.Module):
         n = x.shape[0]
         qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(x).view(n, qk_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            norm_heads_(qkv[:, : self.num_heads], self.q_norm, meta.use_kernel)
+            norm_heads_(qkv[:, self.num_heads : qk_heads], self.k_norm, meta.use_kernel)
         rotate_(qkv[:, :qk_heads], *rope, fused=meta.use_kernel)
         q, k, v = qkv[:, : self.num_heads], qkv[:, self.num_heads : qk_heads], qkv[:, qk_heads:]
         out = paged_attention(q, k, v, kv_cache, layer, meta)
@@ -128,7 +149,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelShape) -> None:
         super().__init__()
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position, config.rope_theta)
+        self.rotary = RotaryEmbedding(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -152,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
         gen = torch.Generator().manual_seed(seed)
         for name, param in self.named_parameters():
             with torch.no_grad():
-                if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                if name.endswith("norm.weight"):
                     param.fill_(1.0)
                 else:
                     param.normal_(0.0, 0.1, generator=gen)
@@ -182,9 +203,9 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face ``LlamaForCausalLM`` weights (strict: every name, every shape);
-        a tied checkpoint may leave ``lm_head.weight`` out. Q, K, V and gate, up are fused
-        here, row blocks in that order."""
+        """Load Hugging Face ``LlamaForCausalLM`` (or Qwen2, Qwen3) weights (strict: every
+        name, every shape); a tied checkpoint may leave ``lm_head.weight`` out. Q, K, V and
+        gate, up are fused here (weights and biases), row blocks in that order."""
         state = dict(state)
         if self.config.tie_word_embeddings:
             state["lm_head.weight"] = state.get("model.embed_tokens.weight")
@@ -203,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
         """The weights under Hugging Face ``LlamaForCausalLM`` names (fused ones split)."""
         cfg = self.config
         kv = cfg.num_kv_heads * cfg.head_dim
-        rows = {"qkv_proj": [cfg.hidden_size, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
+        rows = {"qkv_proj": [cfg.q_size, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
         out = {}
         for name, tensor in self.state_dict().items():
             sources = _hf_names(name)

@@ -19,14 +19,16 @@ _ONEDNN_BATCH_HINT = 32  # oneDNN picks its blocking for about this many rows
 
 
 class PackedLinear(nn.Module):
-    """``y = x @ W^T`` (2-D inputs, no bias) with W packed for the engine's kernel, or for
-    oneDNN (``kernel`` false)."""
+    """``y = x @ W^T + b`` (2-D inputs, the bias optional) with W packed for the engine's
+    kernel, or for oneDNN (``kernel`` false). The kernel's bias is added to its rounded
+    output (an elementwise add: batch-invariant too)."""
 
     def __init__(self, linear: nn.Linear, kernel: bool) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernel = kernel
         weight = linear.weight.detach().contiguous()
+        self.bias = linear.bias
         if kernel:
             self.packed = torch.ops.prefix_serve.pack_linear(weight)
         else:
@@ -34,12 +36,13 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel:
-            return torch.ops.prefix_serve.linear(x, self.packed, self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+            out = torch.ops.prefix_serve.linear(x, self.packed, self.out_features)
+            return out if self.bias is None else out.add_(self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 def pack_linears(model: nn.Module, kernel: bool) -> int:
-    """Replace the bias-free float32 and bfloat16 linear layers of ``model`` by packed ones
+    """Replace the float32 and bfloat16 linear layers of ``model`` by packed ones
     (the engine's kernel, or oneDNN where ``kernel`` is false and oneDNN is there); returns
     how many were replaced."""
     if not kernel and not torch.backends.mkldnn.is_available():
@@ -48,9 +51,7 @@ def pack_linears(model: nn.Module, kernel: bool) -> int:
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if isinstance(child, nn.Linear)
-        and child.bias is None
-        and child.weight.dtype in KERNEL_DTYPES
+        if isinstance(child, nn.Linear) and child.weight.dtype in KERNEL_DTYPES
     ]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child, kernel))
