@@ -97,6 +97,22 @@ COMMON = {
 }
 
 
+# Llama-3.2-1B's real shape (its config.json), for the speed benchmark's random weights
+LLAMA_3_2_1B = {
+    "vocab_size": 128256,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {**LLAMA3_ROPE, "factor": 32.0, "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": True,
+}
+
+
 def family_tokenizer(family: str) -> Any:
     """SmolLM2's BPE with the family's special tokens, BOS/EOS and chat template."""
     _, _, specials, bos, eos = FAMILIES[family]
@@ -109,17 +125,17 @@ def family_tokenizer(family: str) -> Any:
     return tok
 
 
-def build_family(family: str, folder: Path, seed: int = 0) -> Path:
+def build_family(
+    family: str, folder: Path, seed: int = 0, shape: dict[str, Any] | None = None
+) -> Path:
     """Write a random-weight model of ``family`` to ``folder`` as transformers saves it
-    (float32 safetensors, config.json, tokenizer files with the chat template)."""
+    (float32 safetensors, config.json, tokenizer files with the chat template); ``shape``
+    replaces the small test shape (its vocabulary may be larger than the tokenizer's)."""
     config_class, fields, _, _, _ = FAMILIES[family]
     tok = family_tokenizer(family)
+    sizes = shape or {**COMMON, **fields, "vocab_size": len(tok)}
     config = getattr(transformers, config_class)(
-        vocab_size=len(tok),
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.bos_token_id,
-        **COMMON,
-        **fields,
+        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, **sizes
     )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -133,3 +149,9 @@ def build_family(family: str, folder: Path, seed: int = 0) -> Path:
     model.eval().save_pretrained(str(folder))
     tok.save_pretrained(str(folder))
     return folder
+
+
+if __name__ == "__main__":  # python -m bench.model_families FOLDER: Llama-3.2-1B's shape
+    import sys
+
+    build_family("llama3", Path(sys.argv[1]), shape=LLAMA_3_2_1B)

@@ -24,6 +24,7 @@ from bench.peers.engines import (
 )
 from bench.peers.host import vllm_env
 from replica.checkpoints import checkpoint_for
+from replica.checkpoints.hf import HFFolderCheckpoint
 from replica.config import EngineConfig, SpeculationOptions
 from replica.model.runner import build_engine
 from replica.sampling.params import SamplingParams
@@ -95,7 +96,12 @@ class VllmPeer:
     """vLLM CPU in its own virtualenv and process, answering one job at a time."""
 
     def __init__(self, args: argparse.Namespace, warm: list[int], batches: list[int]) -> None:
-        folder = ensure_hf_folder(checkpoint_for(args.model), Path("results") / f"{args.model}-hf")
+        checkpoint = checkpoint_for(args.model)
+        folder = (  # a Hugging Face folder as it is; anything else exported once
+            checkpoint.folder
+            if isinstance(checkpoint, HFFolderCheckpoint)
+            else ensure_hf_folder(checkpoint, Path("results") / f"{args.model}-hf")
+        )
         spec = {
             "model": str(folder),
             "dtype": args.dtype,
