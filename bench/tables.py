@@ -51,6 +51,8 @@ def speed_table(run: dict[str, Any]) -> str:
         "| --- | --- | --- | --- |",
     ]
     for key, label in SPEED_ROWS:
+        if key not in run["ours"]:  # a batch this run did not measure
+            continue
         ours, peer, ratio = run["ours"][key], run["vllm"][key], run["ours_over_vllm"][key]
         name = label.format(prefill=f"{prefill:,}")
         lines.append(
