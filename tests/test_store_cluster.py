@@ -70,11 +70,14 @@ def test_the_next_request_on_the_other_replica_restores_what_the_last_one_comput
         second, prompt_tokens, cached = ask(client, system, "Which did the most damage?")
         assert second != first  # round robin: the replica that never saw the prompt
         assert cached >= prompt_tokens - 48, (round_, cached, prompt_tokens)  # restored
-    deadline = time.monotonic() + 10  # the routing stats lag a period behind
-    while sum(r.get("store_spill_waits", 0) for r in replicas(cluster)) < 6:
-        assert time.monotonic() < deadline
-        time.sleep(0.5)
-    assert sum(r["store_spill_wait_timeouts"] for r in replicas(cluster)) == 0
+    # Whether an answer had to wait for its spill is a race between the two (a spill done
+    # first leaves nothing to wait for; the CI run of 9078196 counted fewer than the 6 waits
+    # this once required); what must hold is the restores above and that no wait timed out.
+    # The routing stats lag a period behind.
+    time.sleep(3 * 0.5)
+    stats = replicas(cluster)
+    assert all("store_spill_wait_timeouts" in r for r in stats)
+    assert sum(r["store_spill_wait_timeouts"] for r in stats) == 0
 
 
 def replicas(cluster: ServeCluster) -> list[dict]:
