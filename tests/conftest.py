@@ -114,3 +114,24 @@ class RowsByPosition:
 
     def clear(self) -> None:
         self.by_position.clear()
+
+
+def transformers_greedy(
+    model: Any, prompts: list[list[int]], new_tokens: int
+) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """A transformers model's greedy tokens and the logits behind each (float32), prompt by
+    prompt, with its own KV cache: the reference the exactness tests hold us to."""
+    from transformers import DynamicCache
+
+    results = []
+    with torch.inference_mode():
+        for ids in prompts:
+            cache = DynamicCache(config=model.config)
+            out = model(torch.tensor([ids]), cache=cache, use_cache=True)
+            tokens, logits = [], [out.logits[0, -1].float()]
+            for _ in range(new_tokens):
+                tokens.append(int(logits[-1].argmax()))
+                out = model(torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
+                logits.append(out.logits[0, -1].float())
+            results.append((tokens, logits[:new_tokens]))
+    return results

@@ -22,10 +22,9 @@ import pytest
 import torch
 import transformers
 from chat_prompts import CONVERSATIONS, chat_prompts
-from conftest import RowsByPosition
+from conftest import RowsByPosition, transformers_greedy
 from gguf.constants import GGMLQuantizationType as Q
 from gguf_files import write_gguf
-from transformers import DynamicCache
 
 from bench.model_families import FAMILIES, LLAMA3_ROPE, build_family
 from replica.checkpoints import CheckpointError, checkpoint_for
@@ -69,26 +68,15 @@ def digest(row: torch.Tensor) -> bytes:
 
 
 def engine_on(folder: Path, dtype: str, keep, **config) -> tuple[Engine, Rows]:
-    config = {"model": str(folder), "dtype": dtype, "num_blocks": 512, **config}
-    rows = Rows(ModelRunner(EngineConfig(**config)), keep)
-    return Engine(EngineConfig(**config), runner=rows), rows
+    engine_config = EngineConfig(model=str(folder), dtype=dtype, num_blocks=512, **config)
+    rows = Rows(ModelRunner(engine_config), keep)
+    return Engine(engine_config, runner=rows), rows
 
 
-def transformers_greedy(folder: Path, prompts: list[list[int]]):
+def transformers_reference(folder: Path, prompts: list[list[int]]):
     """transformers' greedy tokens and the logits behind each, prompt by prompt."""
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    results = []
-    with torch.inference_mode():
-        for ids in prompts:
-            cache = DynamicCache(config=model.config)
-            out = model(torch.tensor([ids]), cache=cache, use_cache=True)
-            tokens, logits = [], [out.logits[0, -1].float()]
-            for _ in range(NEW_TOKENS):
-                tokens.append(int(logits[-1].argmax()))
-                out = model(torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
-                logits.append(out.logits[0, -1].float())
-            results.append((tokens, logits[:NEW_TOKENS]))
-    return results
+    return transformers_greedy(model, prompts, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -96,7 +84,7 @@ def test_float32_greedy_tokens_and_logits_equal_transformers(folders, family) ->
     folder = folders[family]
     prompts = chat_prompts(checkpoint_for(str(folder)).tokenizer())
     assert max(len(p) for p in prompts) > 900
-    reference = transformers_greedy(folder, prompts)
+    reference = transformers_reference(folder, prompts)
     engine, rows = engine_on(folder, "float32", torch.Tensor.clone)
     outs = engine.generate(prompts, GREEDY)
     for out, (tokens, logits) in zip(outs, reference, strict=True):
@@ -118,7 +106,7 @@ def test_the_family_quirks_are_what_the_outputs_depend_on(folders) -> None:
     assert shapes["qwen3"].qk_norm and shapes["qwen3"].q_size != shapes["qwen3"].hidden_size
     folder = folders["llama3"]
     prompts = chat_prompts(checkpoint_for(str(folder)).tokenizer())
-    reference = [tokens for tokens, _ in transformers_greedy(folder, prompts)]
+    reference = [tokens for tokens, _ in transformers_reference(folder, prompts)]
     unscaled = folder.parent / "llama3-unscaled"
     shutil.copytree(folder, unscaled)
     config = json.loads((unscaled / "config.json").read_text())

@@ -13,8 +13,8 @@ import pytest
 import torch
 import transformers
 from chat_prompts import chat_prompts
-from conftest import RowsByPosition
-from transformers import DynamicCache, LlamaConfig
+from conftest import RowsByPosition, transformers_greedy
+from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
 from replica.checkpoints import SMOLLM2, checkpoint_for
@@ -71,19 +71,7 @@ def hf_model(checkpoint) -> HFLlama:
 @pytest.fixture(scope="module")
 def reference(hf_model, prompts) -> list[tuple[list[int], list[torch.Tensor]]]:
     """transformers' greedy tokens and per-position logits for every prompt."""
-    model, config = hf_model, hf_model.config
-    results = []
-    with torch.inference_mode():
-        for ids in prompts:
-            cache = DynamicCache(config=config)
-            out = model(torch.tensor([ids]), cache=cache, use_cache=True)
-            tokens, logits = [], [out.logits[0, -1].float()]
-            for _ in range(NEW_TOKENS):
-                tokens.append(int(logits[-1].argmax()))
-                out = model(torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
-                logits.append(out.logits[0, -1].float())
-            results.append((tokens, logits[:NEW_TOKENS]))
-    return results
+    return transformers_greedy(hf_model, prompts, NEW_TOKENS)
 
 
 def engine_with(runner: ModelRunner, **config) -> tuple[Engine, Recording]:

@@ -46,13 +46,14 @@ class ModelShape(BaseModel):
     def _default_head_dim(cls, data: Any) -> Any:
         """``head_dim`` 0 or absent: ``hidden_size / num_heads`` (a model where the two
         differ, as Qwen3's do, names its own)."""
-        if isinstance(data, dict) and not data.get("head_dim"):
-            hidden, heads = data.get("hidden_size", 256), data.get("num_heads", 8)
-            if isinstance(hidden, int) and isinstance(heads, int) and heads and hidden % heads:
-                raise ValueError("hidden_size % num_heads must be 0 where head_dim is not given")
-            if isinstance(hidden, int) and isinstance(heads, int) and heads:
-                data = {**data, "head_dim": hidden // heads}
-        return data
+        if not isinstance(data, dict) or data.get("head_dim"):
+            return data
+        hidden, heads = data.get("hidden_size", 256), data.get("num_heads", 8)
+        if not (isinstance(hidden, int) and isinstance(heads, int) and heads > 0):
+            return data  # the field checks name what is wrong
+        if hidden % heads:
+            raise ValueError("hidden_size % num_heads must be 0 where head_dim is not given")
+        return {**data, "head_dim": hidden // heads}
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelShape:
