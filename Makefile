@@ -51,6 +51,7 @@ $(HF_MODEL)/config.json: | $(STAMP)
 install-vllm: install $(VLLM_STAMP) $(HF_MODEL)/config.json
 
 test: install install-vllm
+	scripts/ensure-system.sh test
 	PREFIX_SERVE_VLLM_PYTHON=$(abspath $(VLLM_PY)) PREFIX_SERVE_HF_MODEL=$(abspath $(HF_MODEL)) \
 	    $(PY) -m pytest -q
 

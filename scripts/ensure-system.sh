@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # ensure-system.sh install        install what is missing of Debian's redis-server and g++
 #                                 (g++ builds the engine's kernels: replica/kernels)
+# ensure-system.sh test          also Debian's prometheus (promtool) and chromium (headless),
+#                                 which the observability tests drive
 # ensure-system.sh start [PORT]   also start a local redis-server on PORT (default 6379)
 #                                 unless one already answers there
 set -euo pipefail
@@ -9,12 +11,16 @@ port="${2:-6379}"
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v g++ >/dev/null 2>&1 || missing+=(g++)
+if [ "${1:-install}" = test ]; then
+    command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+    command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+fi
 if [ "${#missing[@]}" -gt 0 ]; then
     echo "missing: installing Debian's ${missing[*]}" >&2
     sudo=""
     [ "$(id -u)" = 0 ] || sudo="sudo"
     $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
 if [ "${1:-install}" = start ]; then

@@ -19,6 +19,9 @@ from replica.engine.sequence import Sequence
 from replica.engine.step import ScheduledBatch
 from replica.messages import RequestOutput
 
+# the observability tests' shared cluster (its fixture and the hooks that stop it)
+pytest_plugins = ["observed"]
+
 
 def keep_logs(request: pytest.FixtureRequest, failed_before: int) -> bool:
     """Whether a test failed since ``failed_before`` (then a fixture keeps its logs)."""

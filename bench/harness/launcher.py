@@ -88,13 +88,15 @@ class ServeCluster:
         ray: PrivateRay | None = None,
         dashboard: bool = False,
         python: Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         """``repo`` and ``app_args``: another revision of this project (a worktree) and its
         builder's arguments as written in that revision's schema; ``args`` must then name
         the same model and index (readiness is read from the index). ``dashboard``: its own
         Ray runs Ray's dashboard (``scale`` and ``dashboard_url`` need it). ``python``: the
         interpreter of another virtualenv that has this project installed (the vLLM
-        backend's, ``make install-vllm``): its ``serve`` and its Ray run the cluster."""
+        backend's, ``make install-vllm``): its ``serve`` and its Ray run the cluster.
+        ``env``: variables added to ``serve run``'s and its Ray's (``OTEL_*`` for traces)."""
         self.args = args
         self.ray_address = ray_address
         self.repo = repo
@@ -108,6 +110,7 @@ class ServeCluster:
         self._own_ray = ray is None and ray_address is None
         self._dashboard = dashboard
         self.python = Path(python or sys.executable)
+        self.env = dict(env or {})
 
     def start(self, timeout_s: float = 180.0) -> ServeCluster:
         config = self._dir / "config.yaml"
@@ -115,7 +118,7 @@ class ServeCluster:
         if self.app_args is not None:
             written["applications"][0]["args"] = self.app_args
         config.write_text(yaml.safe_dump(written))
-        env = cluster_env(self.repo)
+        env = cluster_env(self.repo) | self.env
         if self.ray_address is not None:
             env["RAY_ADDRESS"] = self.ray_address
         else:
