@@ -15,18 +15,25 @@ not resumed mid-stream (its choices would each need a continuation): it fails cl
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 import ray
+from opentelemetry import trace
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from cluster import tracing
 from cluster.api import metrics as api_metrics
 from cluster.api.errors import engine_error, replica_failed
+from replica import telemetry
 from replica.errors import InvalidRequestError, RequestFailedError
 from replica.messages import EngineRequest, RequestOutput
+from router.routing_stats import RouteNote
 from router.serve import link
+
+NOTE_WAIT_S = 0.02  # for the router's note of a request that went to another than its first
 
 
 class EngineStream:
@@ -45,6 +52,9 @@ class EngineStream:
         self._delivered: list[int] = []
         self._stream: DeploymentResponseGenerator | None = None
         self.cached_tokens = 0  # prompt tokens the first replica served from its cache
+        self.note: RouteNote | None = None  # the routing of the send that answered first
+        self._traced = trace.get_current_span()  # the request's span: each send's parent
+        self._call: trace.Span | None = None  # the current send's span (traced requests)
 
     async def first(self) -> RequestOutput:
         """Send the request and wait for its first chunk, turning what can go wrong before it
@@ -61,10 +71,26 @@ class EngineStream:
                 if error is None:  # cancelled (the client went away): cancel downstream too
                     self.cancel()
                     raise
+                self._end_call(failed=type(exc).__name__)
                 raise error from exc
             self._delivered += chunk.new_token_ids if chunk.index == 0 else []
             self.cached_tokens = chunk.num_cached_tokens
+            self.note = await self._note(chunk.replica_id)
+            if self._call is not None:
+                tracing.routed(self._call, self.note)
             return chunk
+
+    async def _note(self, replica_id: str) -> RouteNote | None:
+        """The router's note of this request's routing to ``replica_id``: noted at the
+        decision for its first choice, and again when Serve reports it went elsewhere (a
+        report that can come just after the first token: waited for, briefly)."""
+        note = link.LINK.route_note(self.request.request_id)
+        waited = 0.0
+        while note is not None and note.replica != replica_id and waited < NOTE_WAIT_S:
+            await asyncio.sleep(0.002)
+            waited += 0.002
+            note = link.LINK.route_note(self.request.request_id)
+        return note
 
     async def rest(self) -> AsyncIterator[RequestOutput]:
         """The chunks after the first, across resumes, until the one marked finished."""
@@ -74,10 +100,12 @@ class EngineStream:
                 async for chunk in self._stream:
                     self._delivered += chunk.new_token_ids if chunk.index == 0 else []
                     yield chunk
+                self._end_call()
                 return
             except ray.exceptions.RayError as exc:
                 cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else None
                 if isinstance(cause, InvalidRequestError | RequestFailedError):  # anywhere
+                    self._end_call(failed=type(cause).__name__)
                     raise engine_error(exc, self.request.request_id) from None
                 if self.request.params.n > 1:  # several choices in flight: not resumable
                     self._resume_or_fail("mid_stream", give_up=True)
@@ -90,16 +118,35 @@ class EngineStream:
         return len(self._delivered)
 
     def _send(self, request: EngineRequest) -> DeploymentResponseGenerator:
+        """One send (a span of its own when traced, whose ``traceparent`` goes with it)."""
+        self._end_call()
+        self._call = tracing.engine_call(self.request.request_id, self.resumes, self._traced)
+        if self._call is not None:
+            request = replace(request, trace_parent=telemetry.traceparent(self._call))
         with link.call_id(f"{self.request.request_id}.{self.resumes}"):
             return self._engine.generate.remote(request)
 
+    def _end_call(self, failed: str | None = None) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            if failed is not None:
+                call.set_attribute("prefix_serve.failed", failed)
+                call.set_status(trace.Status(trace.StatusCode.ERROR, failed))
+            call.end()
+
     def cancel(self) -> None:
         """Best effort: a stream whose routing failed re-raises that failure on cancel."""
+        self._end_call()
         if self._stream is not None:
             with contextlib.suppress(Exception):
                 self._stream.cancel()
 
     def _resume_or_fail(self, when: str, give_up: bool = False) -> None:
+        if self._call is not None:  # the replica it was on, by the router's latest note
+            note = link.LINK.route_note(self.request.request_id)
+            if note is not None:
+                self._call.set_attribute("prefix_serve.replica", note.replica)
+            self._end_call(failed=f"replica_died_{when}")
         self.cancel()
         if give_up or self.resumes >= self._max_resumes:
             api_metrics.RESUMES.labels(when, "given_up").inc()

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from cluster import tracing
 from cluster.admission import Admission
 from cluster.api import auth, body_limit
 from cluster.api import metrics as api_metrics
@@ -32,6 +33,7 @@ from cluster.gate import Gate
 from cluster.metrics_share import MetricsShare
 from cluster.readiness import Readiness, readiness
 from cluster.request_builder import RequestBuilder
+from cluster.reuse import ReuseLedger, header, reuse_of
 from cluster.tenants import key_records
 from kvindex.reader import IndexReader
 from replica.checkpoints import checkpoint_for
@@ -39,6 +41,7 @@ from replica.messages import EngineRequest, RequestOutput
 from router.serve import link
 
 app = FastAPI(title="prefix-serve", description="OpenAI-compatible, prefix-aware serving")
+app.middleware("http")(tracing.trace_requests)  # inside the key check: traces what it admits
 app.middleware("http")(auth.require_api_key)
 app.add_middleware(body_limit.BodyLimit)  # outermost: before a key is checked or a body read
 install_handlers(app)
@@ -80,6 +83,7 @@ class Ingress:
         self.gate = Gate(self.args, self.admission)
         self.requests = RequestBuilder(self.args, self.hasher)
         self.index = IndexReader(self.args.index, self.model_id)  # readiness reads it
+        self.ledger = ReuseLedger()
         self.metrics_share = None  # with several ingress replicas: every one's in a scrape
         if self.args.ingress_replicas > 1:
             self.metrics_share = MetricsShare(
@@ -138,10 +142,19 @@ class Ingress:
         """The request router's view of the engine replicas (routing stats lag ~1 period)."""
         return link.LINK.snapshot()
 
+    @app.get("/cluster/decisions")
+    async def cluster_decisions(self, limit: int = 50) -> dict[str, Any]:
+        """This ingress replica's latest routing decisions with their reuse ledger
+        (``cluster.reuse``), oldest first, and its totals."""
+        if not 0 <= limit <= 512:
+            raise APIError(400, "limit: must be in [0, 512]", param="limit")
+        return self.ledger.report(limit)
+
     @app.post("/v1/completions", response_model=None)
     async def completions(
         self, body: CompletionRequest, request: Request
     ) -> JSONResponse | StreamingResponse:
+        tracing.parsed()
         vocab = self.args.engine.shape.vocab_size
         prompts: list[tuple[list[int], str]] = []
         for prompt in body.prompts:
@@ -160,9 +173,11 @@ class Ingress:
     async def chat_completions(
         self, body: ChatCompletionRequest, request: Request
     ) -> JSONResponse | StreamingResponse:
-        messages = template_messages(body, self.tokenizer.template_has_tools)
-        text = self.tokenizer.render_chat(messages, template_tools(body))
-        ids = self.tokenizer.encode_chat(text)
+        tracing.parsed()
+        with tracing.span("ingress.tokenize"):
+            messages = template_messages(body, self.tokenizer.template_has_tools)
+            text = self.tokenizer.render_chat(messages, template_tools(body))
+            ids = self.tokenizer.encode_chat(text)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # as much as fits, up to the limit
             room = self.args.engine.context_len - len(ids)
@@ -196,7 +211,10 @@ class Ingress:
         """Run a request's prompts in the engines, holding a slot for each (``cluster.gate``)
         until its stream is over."""
         arrived = time.monotonic()
-        admitted = await self.gate.enter(http, requests)
+        with tracing.span("ingress.admission"):
+            admitted = await self.gate.enter(http, requests)
+        tenant = admitted.tenant.name
+        tracing.annotate(**{"prefix_serve.tenant": tenant, "prefix_serve.prompts": len(requests)})
         streams = [
             EngineStream(self.engine, r, self.hasher.chain, self.args.max_resumes) for r in requests
         ]
@@ -207,10 +225,11 @@ class Ingress:
             for r in requests:
                 link.LINK.prefill_done(r.request_id)
             api_metrics.TTFT.observe(time.monotonic() - start)
-            api_metrics.TENANT_TTFT.labels(admitted.tenant.name).observe(time.monotonic() - arrived)
+            api_metrics.TENANT_TTFT.labels(tenant).observe(time.monotonic() - arrived)
             prompts = [r.prompt_token_ids for r in requests]
             reply = Reply(kind, self.model_id, body, self.tokenizer, prompts, firsts)
             headers = self._headers(requests[0].request_id, firsts) | admitted.headers
+            headers["x-prefix-reuse"] = self._account(tenant, streams, firsts)
             if body.stream:
                 events = reply.sse(streams, requests[0].request_id)
                 response = ReleasingStreamingResponse(
@@ -232,7 +251,26 @@ class Ingress:
         """Where the prompts ran and (first prompt) why the router sent it there."""
         replicas = dict.fromkeys(first.replica_id for first in firsts)
         headers = {"x-replica-id": ",".join(replicas), "x-request-id": request_id}
-        reason = link.LINK.reason(request_id)
-        if reason is not None:  # the policy and its costs
-            headers["x-routing"] = reason
+        note = link.LINK.route_note(request_id)
+        if note is not None and note.reason:  # the policy and its costs
+            headers["x-routing"] = note.reason
         return headers
+
+    def _account(
+        self, tenant: str, streams: list[EngineStream], firsts: list[RequestOutput]
+    ) -> str:
+        """Each prompt's reuse in the ledger (and on the trace); the response's header."""
+        entries = [
+            reuse_of(s.request.request_id, tenant, s.note, first)
+            for s, first in zip(streams, firsts, strict=True)
+        ]
+        for entry in entries:
+            self.ledger.record(entry)
+        known = [e.reusable for e in entries if e.reusable is not None]
+        tracing.annotate(**{
+            "prefix_serve.reuse.reusable": sum(known) if len(known) == len(entries) else -1,
+            "prefix_serve.reuse.routed": sum(e.routed for e in entries),
+            "prefix_serve.reuse.delivered": sum(e.delivered for e in entries),
+            "prefix_serve.replica": ",".join(dict.fromkeys(e.replica for e in entries)),
+        })  # fmt: skip
+        return header(entries)

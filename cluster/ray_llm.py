@@ -131,10 +131,10 @@ class RayLLMPrefixRouter(PrefixAwareRequestRouter, KVAwareRouter):
         if request is None or pending_request is None:
             return
         self._routes.pop(pending_request.metadata.internal_request_id, None)
-        decision = self._decisions.get(request.request_id)
-        if decision is None or not decision.ranking:
+        pending = self._decisions.get(request.request_id)
+        if pending is None or not pending.decision.ranking:
             return
-        first = decision.ranking[0]
+        first = pending.decision.ranking[0]
         self.stats.record_routed(first)
         self.book(request.request_id, first)
         self._booked_at[request.request_id] = time.monotonic()

@@ -17,12 +17,14 @@ import os
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import ray
 from ray import serve
 
 from kvindex.writer import IndexWriter
+from replica import telemetry
 from replica.args import ReplicaArgs
 from replica.config import EngineConfig
 from replica.engine_loop import EngineLoop
@@ -31,9 +33,11 @@ from replica.messages import EngineRequest, PullRequest, RequestOutput
 from replica.publisher import IndexPublisher
 from replica.store.files import publisher_lock_path
 from replica.store_publisher import StorePublisher
+from replica.trace_spans import record_replica_spans
 
 if TYPE_CHECKING:  # torch loads in the replica's process only, not where the app is built
     from replica.kv.transfer import PrefixExport
+    from replica.pull import PullOutcome
     from replica.store.tier import StoreTier
 
 log = logging.getLogger("ray.serve")
@@ -116,31 +120,23 @@ class EngineReplica:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream a request's tokens. Raises ``InvalidRequestError`` before the first chunk
-        if the engine can never serve it; a cancelled stream aborts the request."""
+        if the engine can never serve it; a cancelled stream aborts the request. The first
+        output of choice 0 says how many prompt tokens were pulled for it; a traced request
+        (``trace_parent``) leaves its spans here once it is over (``replica.trace_spans``)."""
         if self.engine_loop.failure is not None:
             raise EngineFailedError("the engine loop failed") from self.engine_loop.failure
+        tracer = telemetry.tracer("prefix-serve-replica") if request.trace_parent else None
+        arrived = time.monotonic()
+        pulled = await self._admit(request, traced=tracer is not None)
         loop = asyncio.get_running_loop()
         rid = request.request_id
-        add = functools.partial(
-            self.engine.add_request,
-            rid,
-            request.prompt_token_ids,
-            request.params,
-            cache_salt=request.cache_salt,
-            output_token_ids=request.output_token_ids,
-            retention=request.retention,
-            owner=request.owner,
-        )
-        structured = request.params.structured
-        if structured is not None:  # compiled (once per schema) off the engine's thread
-            await loop.run_in_executor(None, self.engine.grammars.compile, structured)
-        await self.puller.before_admission(request)
-        await loop.run_in_executor(self._executor, add)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.engine_loop.streams[rid] = queue
         self.engine_loop.wake()
         unfinished = request.params.n  # the stream ends when every choice has
         finished = False
+        last: RequestOutput | None = None
+        emitted = 0  # tokens of choice 0 streamed
         try:
             while not finished:
                 item = await queue.get()
@@ -150,11 +146,41 @@ class EngineReplica:
                     raise EngineFailedError("the engine loop failed") from item
                 unfinished -= item.finished
                 finished = unfinished == 0
-                yield item
+                if item.index == 0:
+                    if emitted == 0 and pulled is not None:
+                        item = replace(item, num_pulled_tokens=pulled.tokens)
+                    emitted += len(item.new_token_ids)
+                    last = item
+                yield replace(item, times=None) if item.times is not None else item
         finally:
             self.engine_loop.streams.pop(rid, None)
             if not finished:  # cancelled or disconnected: free its blocks (not awaited)
                 loop.run_in_executor(self._executor, self.engine.abort_request, rid)
+            if tracer is not None:
+                stay = (arrived, time.monotonic())
+                ended = last if last is not None and last.finished else None
+                record_replica_spans(tracer, request, self.replica_id, stay, pulled, ended, emitted)
+
+    async def _admit(self, request: EngineRequest, traced: bool) -> PullOutcome | None:
+        """Compile its grammar, pull its prefix, add it to the engine (the pull's outcome)."""
+        loop = asyncio.get_running_loop()
+        add = functools.partial(
+            self.engine.add_request,
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            cache_salt=request.cache_salt,
+            output_token_ids=request.output_token_ids,
+            retention=request.retention,
+            owner=request.owner,
+            traced=traced,
+        )
+        structured = request.params.structured
+        if structured is not None:  # compiled (once per schema) off the engine's thread
+            await loop.run_in_executor(None, self.engine.grammars.compile, structured)
+        pulled = await self.puller.before_admission(request)
+        await loop.run_in_executor(self._executor, add)
+        return pulled
 
     async def export_prefix(self, request: PullRequest) -> PrefixExport:
         """This replica's verified cached prefix of another replica's prompt (between steps,

@@ -41,6 +41,23 @@ class Owner:
 
 
 @dataclass(frozen=True)
+class EngineTimes:
+    """Where a traced request's time went inside the engine, on the engine's clock
+    (``time.monotonic`` seconds of the replica's process): added, then its node-store
+    restore (``restore_s``), first scheduled, each prompt chunk (start, end, tokens), first
+    token, finished. Sent with a traced request's last output (``EngineRequest.trace_parent``)
+    for the replica's spans (``replica.trace_spans``); nothing is timed for other requests."""
+
+    arrival: float
+    restore_s: float
+    scheduled: float | None
+    chunks: tuple[tuple[float, float, int], ...]
+    first_token: float | None
+    finished: float
+    preemptions: int
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     """One tokenized request. The ingress hashes the prompt once; the request router reads
     ``route`` (and Ray's own prefix router reads ``prompt``). A request resumed after its
@@ -56,6 +73,7 @@ class EngineRequest:
     output_token_ids: list[int] = field(default_factory=list)  # resuming: already delivered
     retention: Retention | None = None  # keep its blocks for the session's next turn
     owner: Owner = Owner()  # its tenant's share of the pool
+    trace_parent: str | None = None  # W3C traceparent of the ingress's call: it is traced
 
 
 @dataclass(frozen=True)
@@ -81,6 +99,9 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # first output only, if asked
     replica_id: str = ""  # set by the replica that streamed it
     error: str | None = None  # finish_reason "error": what failed
+    num_restored_tokens: int = 0  # of num_cached_tokens: restored from the node store
+    num_pulled_tokens: int = 0  # of num_cached_tokens: pulled from another replica
+    times: EngineTimes | None = None  # a traced request's last output: where its time went
 
     def streamed(self, replica_id: str) -> RequestOutput:
         """This output as a replica sends it: with its id, and without the cumulative

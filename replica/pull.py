@@ -58,6 +58,18 @@ class PullCounters:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class PullOutcome:
+    """One request's pull, for its trace and its reuse ledger: from whom, how many of its
+    prompt tokens came in (0: failed or refused), in how long (``time.monotonic`` start)."""
+
+    holder: str
+    tokens: int
+    started: float
+    seconds: float
+    failed: bool
+
+
 class Puller:
     def __init__(
         self,
@@ -77,16 +89,17 @@ class Puller:
         self.counters = PullCounters()
         self._handle: Any = None
 
-    async def before_admission(self, request: EngineRequest) -> None:
-        """Pull what another replica holds of the request's prefix and this one lacks."""
+    async def before_admission(self, request: EngineRequest) -> PullOutcome | None:
+        """Pull what another replica holds of the request's prefix and this one lacks (None:
+        no pull was tried)."""
         route = request.route
         if not self.config.enabled or route is None:
-            return
+            return None
         if len(route.block_hashes) < self.config.min_blocks:
-            return
+            return None
         holder = await self._best_holder(route.block_hashes)
         if holder is None:
-            return
+            return None
         ids = [*request.prompt_token_ids, *request.output_token_ids]
         start = time.monotonic()
         pull = PullRequest(holder, ids, request.cache_salt, self.node_id)
@@ -98,7 +111,7 @@ class Puller:
             self.counters.pulls_failed += 1
             self.counters.failed_pull_seconds += time.monotonic() - start
             log.warning("pull from %s failed: %s", holder, type(exc).__name__)
-            return
+            return PullOutcome(holder, 0, start, time.monotonic() - start, failed=True)
         result = await self.run_on_engine(
             import_prefix, self.engine.kv, ids, request.cache_salt, export
         )
@@ -109,6 +122,8 @@ class Puller:
         c.pulled_bytes += result.imported * (export.num_bytes // max(1, len(export.blocks)))
         c.pull_seconds += time.monotonic() - start
         c.pull_blocks_refused += len(export.blocks) - result.already_held - result.imported
+        tokens = result.imported * self.engine.kv.block_size
+        return PullOutcome(holder, tokens, start, time.monotonic() - start, failed=False)
 
     async def _best_holder(self, chain: Sequence[bytes]) -> str | None:
         """The live replica to pull ``chain`` from (``kvindex.pulls.pull_source``), by the

@@ -57,6 +57,12 @@ class Decision:
         k = self._table.position(replica_id)
         return 0 if k is None else int(self._credit[k])
 
+    def held(self, replica_id: str) -> int:
+        """Prompt tokens ``replica_id`` holds (cached or predicted) by the table ranked,
+        without what it would pull or restore."""
+        k = self._table.position(replica_id)
+        return 0 if k is None else int(cache_credits(self.request, self._table)[k])
+
     @property
     def candidates(self) -> int:
         """How many replicas were ranked."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -73,6 +74,11 @@ _REPLICA_KEYS = (
     "store_spill_wait_timeouts",
     "store_blocks",
     "store_kept_full",
+    # the replica's feed of the index: events it could not deliver (README "Observability")
+    "index_in_sync",
+    "index_dropped_batches",
+    "index_overflows",
+    "index_resyncs",
 )
 REPLICA_GAUGES = {
     key: Gauge(f"prefix_serve_replica_{key}", f"Engine replica {key} (routing stats)", ["replica"])
@@ -83,27 +89,55 @@ TENANT_CACHED = Gauge(
     "Engine replica's cached blocks owned by each tenant (its share of the pool)",
     ["replica", "tenant"],
 )
-_MAX_REASONS = 1024  # recent decisions whose reason the ingress may still ask for
+_MAX_NOTES = 1024  # recent decisions the ingress may still ask about
+
+
+@dataclass(frozen=True)
+class RouteNote:
+    """One routing decision as the request's trace, ledger and headers tell it.
+
+    ``reusable``: prompt tokens of the longest cached run of the request's blocks on any
+    replica or node store, by the index's answer (None: the index did not answer).
+    ``routed``: what the replica it went to holds of them (cached, or booked to be) by the
+    same answer and this router's bookings. ``credit``: what the router counted that replica
+    would not compute (``routed`` plus what it would pull or restore). ``decided_at``: Unix
+    time the decision began; ``seconds`` it took; ``index``: where the answer came from."""
+
+    policy: str
+    reason: str
+    replica: str
+    candidates: int
+    reusable: int | None
+    routed: int
+    credit: int
+    decided_at: float
+    seconds: float
+    index: str
 
 
 class RouterStats:
-    """Requests routed per replica, recent decision times, and why recent requests went
-    where they did (the policy's explanation, for the ``x-routing`` header)."""
+    """Requests routed per replica, recent decision times, and what recent requests' routing
+    was (``RouteNote``: for the ``x-routing`` header, the trace and the reuse ledger)."""
 
     def __init__(self, policy: str) -> None:
         self.policy = policy
         self.routed: dict[str, int] = {}
         self.decision_s: deque[float] = deque(maxlen=10_000)
         self.errors = 0  # decisions that raised (``prefix_serve_routing_errors``)
-        self._reasons: OrderedDict[str, str] = OrderedDict()
+        self._notes: OrderedDict[str, RouteNote] = OrderedDict()
         self._tenants_seen: dict[str, set[str]] = {}  # tenants with a gauge, per replica
 
-    def record_decision(self, request_id: str, seconds: float, reason: str) -> None:
+    def record_decision(self, seconds: float) -> None:
         self.decision_s.append(seconds)
         DECISION_SECONDS.observe(seconds)
-        self._reasons[request_id] = reason
-        while len(self._reasons) > _MAX_REASONS:
-            self._reasons.popitem(last=False)
+
+    def record_note(self, request_id: str, note: RouteNote) -> None:
+        """Where ``request_id`` went and why (its latest routing: a resumed request's
+        continuation replaces the first)."""
+        self._notes[request_id] = note
+        self._notes.move_to_end(request_id)
+        while len(self._notes) > _MAX_NOTES:
+            self._notes.popitem(last=False)
 
     def _tenant_gauges(self, replica_id: str, held: Mapping[str, int]) -> None:
         """Each tenant's cached blocks on a replica; 0 for one that had some and has none."""
@@ -118,8 +152,8 @@ class RouterStats:
         self.routed[replica_id] = self.routed.get(replica_id, 0) + 1
         ROUTED.labels(replica_id, self.policy).inc()
 
-    def reason(self, request_id: str) -> str | None:
-        return self._reasons.get(request_id)
+    def note(self, request_id: str) -> RouteNote | None:
+        return self._notes.get(request_id)
 
     def snapshot(self, replica_stats: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         """These counters, with the replicas' latest routing stats (which also set the

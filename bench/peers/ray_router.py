@@ -33,16 +33,14 @@ class TimedPowerOfTwoRouter(link.ServeLinked, PowerOfTwoChoicesRequestRouter):
         ranked = await PowerOfTwoChoicesRequestRouter.choose_replicas(
             self, candidate_replicas, pending_request
         )
-        args = pending_request.args if pending_request is not None else ()
-        request_id = getattr(args[0], "request_id", "") if args else ""
-        self.stats.record_decision(request_id, time.perf_counter() - start, "ray_default")
+        self.stats.record_decision(time.perf_counter() - start)
         return ranked
 
     def prefill_done(self, request_id: str) -> None:
         pass  # Ray's router books nothing
 
-    def reason(self, request_id: str) -> str | None:
-        return self.stats.reason(request_id)
+    def route_note(self, request_id: str) -> routing_stats.RouteNote | None:
+        return None  # it reads no index: no reuse to tell, no reason but its name
 
     def others_in_flight(self) -> int | None:
         return None  # it shares nothing with other routers

@@ -59,3 +59,27 @@ TENANT_CHARGED = Counter(
     "Tokens charged to a tenant: prompt tokens not served from cache, and output tokens",
     ["tenant"],
 )
+# the reuse ledger (cluster.reuse): per prompt, tokens reusable anywhere in the fleet, held
+# by the replica it was routed to, and served from cache there (by source)
+REUSE_REUSABLE = Counter(
+    "prefix_serve_reuse_reusable_tokens",
+    "Prompt tokens cached anywhere in the fleet (any replica or node store) at routing",
+    ["tenant", "policy"],
+)
+REUSE_ROUTED = Counter(
+    "prefix_serve_reuse_routed_tokens",
+    "Prompt tokens the replica a request was routed to held (cached or booked)",
+    ["tenant", "policy"],
+)
+REUSE_DELIVERED = Counter(
+    "prefix_serve_reuse_delivered_tokens",
+    "Prompt tokens served from cache by the engine: its own (local), restored from the node "
+    "store, or pulled from another replica",
+    ["tenant", "policy", "source"],
+)
+REUSE_CAPTURED = Histogram(
+    "prefix_serve_reuse_captured_ratio",
+    "Per request with reusable tokens: delivered / reusable (capped at 1)",
+    ["policy"],
+    buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0),
+)

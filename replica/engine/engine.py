@@ -117,6 +117,7 @@ class Engine:
         output_token_ids: abc.Sequence[int] = (),
         retention: Retention | None = None,
         owner: Owner | None = None,
+        traced: bool = False,
     ) -> None:
         """Queue a request. Raises ``InvalidRequestError`` if it can never be served.
 
@@ -126,7 +127,8 @@ class Engine:
         on exactly where they stopped. ``retention`` keeps its blocks for its session's next
         turn once it finishes (``replica.engine.blocks.retention``). ``owner``: the tenant
         whose share of the pool its blocks count in (``replica.engine.blocks.eviction``),
-        and the request's priority (``replica.engine.scheduler``)."""
+        and the request's priority (``replica.engine.scheduler``). ``traced``: time its
+        restore and prompt chunks for its replica's spans (``RequestOutput.times``)."""
         params = params or SamplingParams()
         tokens, outputs = list(prompt_token_ids), list(output_token_ids)
         if request_id in self._seqs:
@@ -152,8 +154,12 @@ class Engine:
         if owner is not None:
             seq.tenant, seq.priority = owner.tenant, owner.priority
             self.block_manager.allocator.cached.set_weight(owner.tenant, owner.weight)
+        if traced:
+            seq.chunk_times = []
         if self.store is not None and params.prompt_logprobs is None:
-            self.store.restore(self.kv, seq)
+            started = time.perf_counter()
+            seq.num_restored_tokens = self.store.restore(self.kv, seq) * self.kv.block_size
+            seq.restore_s = time.perf_counter() - started
         self.block_manager.expect(seq)  # what it will hit outlives the prefills queued ahead
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -184,12 +190,18 @@ class Engine:
         self.block_manager.pins.expire()  # before scheduling: what it frees is available
         batch = self.scheduler.schedule()
         self.metrics.preemptions += len(batch.preempted)
+        for seq in batch.preempted:
+            seq.preemptions += 1
         outputs = []
         if batch:
             started = self.clock()
+            chunks = _traced_chunks(batch)  # before the step counts them computed
             logits = self.runner.execute(batch)
+            ended = self.clock()
             if self.drafter is not None:  # what a token costs a step: whether drafts pay
-                self.drafter.cost.record(batch.num_tokens, self.clock() - started)
+                self.drafter.cost.record(batch.num_tokens, ended - started)
+            for seq, n in chunks:
+                seq.chunk_times.append((started, ended, n))  # type: ignore[union-attr]
             outputs = self._finish_step(batch, logits)
             self.metrics.steps += 1
         self._emit_events()
@@ -387,3 +399,12 @@ class Engine:
         if events is not None:
             for listener in self._listeners:
                 listener(events)
+
+
+def _traced_chunks(batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+    """The traced sequences of ``batch`` computing part of their prompt, with how much."""
+    return [
+        (seq, n)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+        if seq.chunk_times is not None and seq.num_computed_tokens < seq.num_prompt_tokens
+    ]

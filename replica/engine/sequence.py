@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from replica.engine.drafts import DraftState
-from replica.messages import RequestOutput, Retention
+from replica.messages import EngineTimes, RequestOutput, Retention
 from replica.sampling.grammar import GrammarState
 from replica.sampling.params import SamplingParams, TokenLogprob
 from replica.sampling.sampler import SampleRow, token_logprobs
@@ -54,6 +54,11 @@ class Sequence:
     tenant: str = ""  # its blocks, released, count in this tenant's share of the pool
     priority: int = 0  # its prompt is computed before those of lower priorities
     drafts: DraftState | None = None  # it speculates (``replica.engine.drafts``)
+    num_restored_tokens: int = 0  # restored from the node store when it was added
+    restore_s: float = 0.0  # how long that took
+    preemptions: int = 0
+    # traced requests only (None: nothing timed): each prompt chunk's (start, end, tokens)
+    chunk_times: list[tuple[float, float, int]] | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -110,6 +115,23 @@ class Sequence:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             error=error,
+            num_restored_tokens=self.num_restored_tokens,
+            times=self.times() if self.is_finished else None,
+        )
+
+    def times(self) -> EngineTimes | None:
+        """Where its time went (a traced sequence, finished), for its replica's spans."""
+        chunks = self.chunk_times
+        if chunks is None:
+            return None
+        return EngineTimes(
+            arrival=self.arrival_time,
+            restore_s=self.restore_s,
+            scheduled=chunks[0][0] if chunks else None,
+            chunks=tuple(chunks),
+            first_token=self.first_token_time,
+            finished=self.last_token_time or self.arrival_time,
+            preemptions=self.preemptions,
         )
 
     def sample_row(self) -> SampleRow:

@@ -20,6 +20,7 @@ from ray.serve import context as serve_context
 from ray.serve.request_router import PendingRequest, RunningReplica
 
 from kvindex.records import RoutingRequest
+from router.routing_stats import RouteNote
 
 
 class LinkedRouter(Protocol):
@@ -30,8 +31,8 @@ class LinkedRouter(Protocol):
     def prefill_done(self, request_id: str) -> None:
         """A request's first token came (runs on the router's loop)."""
 
-    def reason(self, request_id: str) -> str | None:
-        """Why a recent request went where it did."""
+    def route_note(self, request_id: str) -> RouteNote | None:
+        """Where a recent request went, why, and what the index said it could reuse."""
 
     def snapshot(self) -> dict[str, Any]:
         """Routed counts, decision times, index counters, bookings, the replicas' stats."""
@@ -65,9 +66,10 @@ class RouterLink:
         if router is not None and loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(router.prefill_done, request_id)
 
-    def reason(self, request_id: str) -> str | None:
+    def route_note(self, request_id: str) -> RouteNote | None:
+        """Read from any thread: a dictionary lookup of a frozen record."""
         router = self._router
-        return router.reason(request_id) if router is not None else None
+        return router.route_note(request_id) if router is not None else None
 
     def snapshot(self) -> dict[str, Any]:
         router = self._router

@@ -25,7 +25,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from ray.serve._private.request_router.common import ReplicaQueueLengthCache
@@ -35,7 +35,7 @@ from kvindex.channel import BookingChannel, QueriedChannel, SharedChannel
 from kvindex.config import IndexConfig
 from kvindex.pulls import PullPrices
 from kvindex.reader import IndexReader
-from kvindex.records import RoutingRequest
+from kvindex.records import ReplicaTable, RoutingRequest
 from kvindex.stored import StorePrices
 from router import routing_stats
 from router.config import ServedPolicy, make_policy, routing_config
@@ -86,7 +86,7 @@ class PrefixAwareRequestRouter(link.ServeLinked, RequestRouter):
         self._last_candidates: list[RunningReplica] | None = None
         self._by_id: dict[str, RunningReplica] = {}
         self._candidate_ids: list[str] = []
-        self._decisions: dict[str, Decision] = {}  # request -> its decision, until routed
+        self._decisions: dict[str, _Pending] = {}  # request -> its decision, until routed
         self._requests: dict[str, str] = {}  # Serve's internal request id -> ours
         # (Serve's id, replica) -> when Serve reported it completed before it reported it
         # routed (``on_request_completed``)
@@ -126,24 +126,30 @@ class PrefixAwareRequestRouter(link.ServeLinked, RequestRouter):
         self, candidate_replicas: list[RunningReplica], request: RoutingRequest
     ) -> list[list[RunningReplica]]:
         """``choose_replicas`` for an engine request: the index's answer, the core's
-        ranking, the decision kept until Serve says where the request went."""
-        start = time.perf_counter()
+        ranking, the decision kept until Serve says where the request went. The index is
+        asked even by a policy that does not read it: the reuse ledger's ``reusable`` is
+        its answer (a mirror's costs no round trip)."""
+        start, began = time.perf_counter(), time.time()
         by_id, ids = self._candidates(candidate_replicas)
-        answer = None
-        if self.core.policy.uses_index:
-            answer, outcome = await self.channel.answer(request.block_hashes)
-            routing_stats.INDEX_ANSWERS.labels(outcome).inc()
+        answer, outcome = await self.channel.answer(request.block_hashes)
+        routing_stats.INDEX_ANSWERS.labels(outcome).inc()
         queued = self.replica_queue_len_cache  # as swapped, read as one column (or a test's)
         queued = queued if isinstance(queued, QueueLengths) else None
         nodes = None
         if self.core.stores:  # where each candidate runs: its node's store serves it
             nodes = {rid: r.node_id for rid, r in by_id.items() if r.node_id}
-        states = self.core.states(ids, answer, request.block_hashes, queued, nodes)
+        seen = answer if self.core.policy.uses_index else None
+        states = self.core.states(ids, seen, request.block_hashes, queued, nodes)
         decision = self.core.decide(request, states)
-        self._decisions[request.request_id] = decision
-        self.stats.record_decision(
-            request.request_id, time.perf_counter() - start, self.core.policy.explain()
-        )
+        seconds = time.perf_counter() - start
+        self.stats.record_decision(seconds)
+        reason = self.core.policy.explain()
+        pending = _Pending(decision, answer, reason, began, seconds, outcome)
+        self._decisions[request.request_id] = pending
+        if decision.ranking:  # noted now for its first choice (where nearly every request
+            # goes), before its first token can reach the ingress; again if it goes elsewhere
+            note = pending.note(self.config.policy, decision.ranking[0])
+            self.stats.record_note(request.request_id, note)
         return Ranked(decision.ranking, by_id)  # type: ignore[return-value]
 
     def _candidates(
@@ -175,12 +181,14 @@ class PrefixAwareRequestRouter(link.ServeLinked, RequestRouter):
             self._requests[internal] = request.request_id
 
     def book(self, request_id: str, replica_id: str) -> bool:
-        """Book the request's decision on ``replica_id``, where it went (False: no decision
-        of this router's is waiting for it)."""
-        decision = self._decisions.pop(request_id, None)
-        if decision is None:
+        """Book the request's decision on ``replica_id``, where it went, and note it (False:
+        no decision of this router's is waiting for it)."""
+        pending = self._decisions.pop(request_id, None)
+        if pending is None:
             return False
-        self.channel.booked(self.core.routed(decision, replica_id))
+        if not pending.decision.ranking or pending.decision.ranking[0] != replica_id:
+            self.stats.record_note(request_id, pending.note(self.config.policy, replica_id))
+        self.channel.booked(self.core.routed(pending.decision, replica_id))
         return True
 
     def prefill_done(self, request_id: str) -> None:
@@ -210,8 +218,8 @@ class PrefixAwareRequestRouter(link.ServeLinked, RequestRouter):
             return 0 if table is not None else None
         return int(cache_credits(request, table).max())
 
-    def reason(self, request_id: str) -> str | None:
-        return self.stats.reason(request_id)
+    def route_note(self, request_id: str) -> routing_stats.RouteNote | None:
+        return self.stats.note(request_id)
 
     def snapshot(self) -> dict[str, Any]:
         replicas = {
@@ -263,6 +271,46 @@ class PrefixAwareRequestRouter(link.ServeLinked, RequestRouter):
     async def share(self) -> int:
         """Share this router's bookings now (a mirror's channel; 0 otherwise)."""
         return await self.channel.share()
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A decision waiting for Serve to say where its request went, with what its note
+    needs: the index's whole answer (every replica and store), the policy's reason, when
+    it began (Unix), how long it took, where the answer came from."""
+
+    decision: Decision
+    answer: ReplicaTable | None
+    reason: str
+    began: float
+    seconds: float
+    outcome: str
+
+    def note(self, policy: str, replica_id: str) -> routing_stats.RouteNote:
+        """The decision as it ended: on ``replica_id`` (not always its first choice)."""
+        decision, answer = self.decision, self.answer
+        request = decision.request
+        routed = decision.held(replica_id)
+        reusable = None
+        if answer is not None:
+            reusable = 0
+            if len(answer):
+                held = cache_credits(request, answer)
+                k = answer.position(replica_id)
+                routed = max(routed, int(held[k]) if k is not None else 0)
+                reusable = max(int(held.max()), routed)
+        return routing_stats.RouteNote(
+            policy=policy,
+            reason=self.reason,
+            replica=replica_id,
+            candidates=decision.candidates,
+            reusable=reusable,
+            routed=routed,
+            credit=max(decision.credit(replica_id), routed),
+            decided_at=self.began,
+            seconds=self.seconds,
+            index=self.outcome,
+        )
 
 
 def _channel(
