@@ -55,6 +55,7 @@ class EngineStream:
         self.note: RouteNote | None = None  # the routing of the send that answered first
         self._traced = trace.get_current_span()  # the request's span: each send's parent
         self._call: trace.Span | None = None  # the current send's span (traced requests)
+        self._resent = False  # resumed mid-stream, its new send's first chunk not yet seen
 
     async def first(self) -> RequestOutput:
         """Send the request and wait for its first chunk, turning what can go wrong before it
@@ -75,10 +76,16 @@ class EngineStream:
                 raise error from exc
             self._delivered += chunk.new_token_ids if chunk.index == 0 else []
             self.cached_tokens = chunk.num_cached_tokens
-            self.note = await self._note(chunk.replica_id)
-            if self._call is not None:
-                tracing.routed(self._call, self.note)
+            self.note = await self._routed(chunk)
             return chunk
+
+    async def _routed(self, chunk: RequestOutput) -> RouteNote | None:
+        """The first chunk of a send came: its routing, on its span (when traced)."""
+        note = await self._note(chunk.replica_id)
+        if self._call is not None:
+            tracing.routed(self._call, note)
+            self._call.set_attribute("prefix_serve.replica", chunk.replica_id)
+        return note
 
     async def _note(self, replica_id: str) -> RouteNote | None:
         """The router's note of this request's routing to ``replica_id``: noted at the
@@ -98,6 +105,9 @@ class EngineStream:
             assert self._stream is not None
             try:
                 async for chunk in self._stream:
+                    if self._resent:  # the first chunk of a resumed send
+                        self._resent = False
+                        await self._routed(chunk)
                     self._delivered += chunk.new_token_ids if chunk.index == 0 else []
                     yield chunk
                 self._end_call()
@@ -111,6 +121,7 @@ class EngineStream:
                     self._resume_or_fail("mid_stream", give_up=True)
                 self._resume_or_fail("mid_stream")
                 self._stream = self._send(self._continuation())
+                self._resent = True
 
     @property
     def delivered_tokens(self) -> int:

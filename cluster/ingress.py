@@ -28,6 +28,7 @@ from cluster.api.openapi import install_openapi
 from cluster.api.responses import ReleasingStreamingResponse, Reply
 from cluster.api.tools import template_messages, template_tools
 from cluster.config import ClusterArgs
+from cluster.dashboard import install_dashboard
 from cluster.engine_stream import EngineStream
 from cluster.gate import Gate
 from cluster.metrics_share import MetricsShare
@@ -40,11 +41,16 @@ from replica.checkpoints import checkpoint_for
 from replica.messages import EngineRequest, RequestOutput
 from router.serve import link
 
-app = FastAPI(title="prefix-serve", description="OpenAI-compatible, prefix-aware serving")
+app = FastAPI(
+    title="prefix-serve",
+    description="OpenAI-compatible, prefix-aware serving",
+    **tracing.fastapi_options(),  # type: ignore[arg-type]
+)
 app.middleware("http")(tracing.trace_requests)  # inside the key check: traces what it admits
 app.middleware("http")(auth.require_api_key)
 app.add_middleware(body_limit.BodyLimit)  # outermost: before a key is checked or a body read
 install_handlers(app)
+install_dashboard(app)
 # Serve pickles ``Ingress`` by value when it is decorated: helpers are defined above it, and
 # shared state (metrics) is reached through its module, never bound as a global here.
 
@@ -84,6 +90,7 @@ class Ingress:
         self.requests = RequestBuilder(self.args, self.hasher)
         self.index = IndexReader(self.args.index, self.model_id)  # readiness reads it
         self.ledger = ReuseLedger()
+        tracing.tracer()  # set up before the first request (FastAPI's server span needs it)
         self.metrics_share = None  # with several ingress replicas: every one's in a scrape
         if self.args.ingress_replicas > 1:
             self.metrics_share = MetricsShare(

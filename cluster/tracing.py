@@ -18,9 +18,10 @@ answering with ours (the server span's) in the response's ``traceparent`` header
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
-from fastapi import Request, Response
+from fastapi import FastAPI, Request, Response
 from opentelemetry import context, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
@@ -35,14 +36,37 @@ def tracer() -> Tracer | None:
     return telemetry.tracer(SERVICE)
 
 
+def fastapi_options() -> dict[str, object]:
+    """``FastAPI()``'s telemetry options where FastAPI has them (0.16x: it makes the server
+    span itself, from the global provider ``replica.telemetry`` sets): its server span for
+    the API paths only (a scraped ``/metrics`` is no trace), without its per-operation
+    spans (``ingress.parse`` says what they would). Older FastAPI (the vLLM virtualenv's):
+    none, and ``trace_requests`` makes the server span."""
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    telemetry_config = {
+        "operation_spans": False,
+        "metrics": False,
+        "logs": False,
+        "exclude": lambda scope: scope.get("path") not in TRACED_PATHS,
+    }
+    return {"telemetry": telemetry_config}
+
+
 async def trace_requests(
     request: Request, call_next: Callable[[Request], Awaitable[Response]]
 ) -> Response:
-    """Middleware: the server span of an API request, current while it is handled, ended
-    when its body has been sent."""
+    """Middleware: the server span of an API request (FastAPI's own where it makes one,
+    else ours, current while the request is handled and ended after its last byte), and
+    its ``traceparent`` on the response."""
     t = tracer()
     if t is None or request.url.path not in TRACED_PATHS:
         return await call_next(request)
+    current = trace.get_current_span()
+    if current.is_recording():  # FastAPI's: it ends it when the answer is sent
+        response = await call_next(request)
+        _answer_traceparent(current, response)
+        return response
     span = t.start_span(
         f"{request.method} {request.url.path}",
         context=telemetry.parent_context(request.headers.get("traceparent")),
@@ -62,15 +86,19 @@ async def trace_requests(
     span.set_attribute("http.response.status_code", response.status_code)
     if response.status_code >= 500:
         span.set_status(Status(StatusCode.ERROR))
-    parent = telemetry.traceparent(span)
-    if parent is not None:
-        response.headers["traceparent"] = parent
+    _answer_traceparent(span, response)
     body = getattr(response, "body_iterator", None)
     if body is None:
         span.end()
     else:  # the span lasts until the answer's last byte (a stream's last token)
         response.body_iterator = _ending(body, span)  # type: ignore[attr-defined]
     return response
+
+
+def _answer_traceparent(span: Span, response: Response) -> None:
+    parent = telemetry.traceparent(span)
+    if parent is not None:
+        response.headers["traceparent"] = parent
 
 
 async def _ending(body: AsyncIterator[bytes], span: Span) -> AsyncIterator[bytes]:

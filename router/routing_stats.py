@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
 from kvindex.measure import percentile
+from router.notes import RouteNote
 
 ROUTED = Counter(
     "prefix_serve_routed_requests", "Requests sent to each engine replica", ["replica", "policy"]
@@ -90,29 +90,6 @@ TENANT_CACHED = Gauge(
     ["replica", "tenant"],
 )
 _MAX_NOTES = 1024  # recent decisions the ingress may still ask about
-
-
-@dataclass(frozen=True)
-class RouteNote:
-    """One routing decision as the request's trace, ledger and headers tell it.
-
-    ``reusable``: prompt tokens of the longest cached run of the request's blocks on any
-    replica or node store, by the index's answer (None: the index did not answer).
-    ``routed``: what the replica it went to holds of them (cached, or booked to be) by the
-    same answer and this router's bookings. ``credit``: what the router counted that replica
-    would not compute (``routed`` plus what it would pull or restore). ``decided_at``: Unix
-    time the decision began; ``seconds`` it took; ``index``: where the answer came from."""
-
-    policy: str
-    reason: str
-    replica: str
-    candidates: int
-    reusable: int | None
-    routed: int
-    credit: int
-    decided_at: float
-    seconds: float
-    index: str
 
 
 class RouterStats:

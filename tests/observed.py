@@ -50,7 +50,7 @@ def observed_args(redis: LocalRedis) -> ClusterArgs:
         engine=tiny(num_threads=1, num_blocks=512),
         routing=routing_config(policy="round_robin", stats_period_s=0.5),
         index=IndexConfig(url=redis.url, cluster="observed"),
-        pull=PullConfig(min_blocks=PULL_MIN_BLOCKS),
+        pull=PullConfig(enabled=True, min_blocks=PULL_MIN_BLOCKS),
         store=StoreConfig(enabled=False),
         api_keys=[KEY],
     )

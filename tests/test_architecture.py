@@ -97,7 +97,7 @@ def test_the_check_catches_a_forbidden_import(module: str, source: str) -> None:
 # replica/'s rooms, floor by floor (lowest first): a room may import its own floor's modules
 # and those below, never above. One-module rooms are named by module.
 REPLICA_FLOORS = (
-    ("replica.errors", "replica.checkpoints", "replica.config"),
+    ("replica.errors", "replica.checkpoints", "replica.config", "replica.telemetry"),
     ("replica.sampling",),
     ("replica.messages",),
     ("replica.engine",),
@@ -112,6 +112,7 @@ REPLICA_FLOORS = (
         "replica.pull",
         "replica.pull_config",
         "replica.store_publisher",
+        "replica.trace_spans",
         "replica.vllm_replica",
     ),
 )

@@ -25,7 +25,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from ray.serve._private.request_router.common import ReplicaQueueLengthCache
@@ -35,11 +35,12 @@ from kvindex.channel import BookingChannel, QueriedChannel, SharedChannel
 from kvindex.config import IndexConfig
 from kvindex.pulls import PullPrices
 from kvindex.reader import IndexReader
-from kvindex.records import ReplicaTable, RoutingRequest
+from kvindex.records import RoutingRequest
 from kvindex.stored import StorePrices
 from router import routing_stats
 from router.config import ServedPolicy, make_policy, routing_config
-from router.core import Decision, RoutingCore
+from router.core import RoutingCore
+from router.notes import PendingDecision
 from router.policies import cache_credits
 from router.recent_routes import RecentRoutes
 from router.serve import link
@@ -86,7 +87,7 @@ class PrefixAwareRequestRouter(link.ServeLinked, RequestRouter):
         self._last_candidates: list[RunningReplica] | None = None
         self._by_id: dict[str, RunningReplica] = {}
         self._candidate_ids: list[str] = []
-        self._decisions: dict[str, _Pending] = {}  # request -> its decision, until routed
+        self._decisions: dict[str, PendingDecision] = {}  # request -> its decision, until routed
         self._requests: dict[str, str] = {}  # Serve's internal request id -> ours
         # (Serve's id, replica) -> when Serve reported it completed before it reported it
         # routed (``on_request_completed``)
@@ -144,7 +145,7 @@ class PrefixAwareRequestRouter(link.ServeLinked, RequestRouter):
         seconds = time.perf_counter() - start
         self.stats.record_decision(seconds)
         reason = self.core.policy.explain()
-        pending = _Pending(decision, answer, reason, began, seconds, outcome)
+        pending = PendingDecision(decision, answer, reason, began, seconds, outcome)
         self._decisions[request.request_id] = pending
         if decision.ranking:  # noted now for its first choice (where nearly every request
             # goes), before its first token can reach the ingress; again if it goes elsewhere
@@ -271,46 +272,6 @@ class PrefixAwareRequestRouter(link.ServeLinked, RequestRouter):
     async def share(self) -> int:
         """Share this router's bookings now (a mirror's channel; 0 otherwise)."""
         return await self.channel.share()
-
-
-@dataclass(frozen=True)
-class _Pending:
-    """A decision waiting for Serve to say where its request went, with what its note
-    needs: the index's whole answer (every replica and store), the policy's reason, when
-    it began (Unix), how long it took, where the answer came from."""
-
-    decision: Decision
-    answer: ReplicaTable | None
-    reason: str
-    began: float
-    seconds: float
-    outcome: str
-
-    def note(self, policy: str, replica_id: str) -> routing_stats.RouteNote:
-        """The decision as it ended: on ``replica_id`` (not always its first choice)."""
-        decision, answer = self.decision, self.answer
-        request = decision.request
-        routed = decision.held(replica_id)
-        reusable = None
-        if answer is not None:
-            reusable = 0
-            if len(answer):
-                held = cache_credits(request, answer)
-                k = answer.position(replica_id)
-                routed = max(routed, int(held[k]) if k is not None else 0)
-                reusable = max(int(held.max()), routed)
-        return routing_stats.RouteNote(
-            policy=policy,
-            reason=self.reason,
-            replica=replica_id,
-            candidates=decision.candidates,
-            reusable=reusable,
-            routed=routed,
-            credit=max(decision.credit(replica_id), routed),
-            decided_at=self.began,
-            seconds=self.seconds,
-            index=self.outcome,
-        )
 
 
 def _channel(
