@@ -27,8 +27,11 @@ ROUTING_ERRORS = Counter(
 )
 # with index.mirror (set at collection, from the router's mirror: router.serve.router)
 MIRROR_SYNCED = Gauge(
-    "prefix_serve_index_mirror_synced", "1 while this router's mirror of the index answers"
+    "prefix_serve_index_mirror_synced",
+    "1 while this router's mirror of the index answers, 0 while it does not; NaN without a "
+    "mirror (index.mirror false: an alert on == 0 stays quiet)",
 )
+MIRROR_SYNCED.set(float("nan"))
 MIRROR_SYNCED_AT = Gauge(
     "prefix_serve_index_mirror_synced_at_seconds",
     "Unix time this router's mirror last became synced (after a snapshot); 0: never",
