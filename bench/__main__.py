@@ -23,6 +23,7 @@ from bench.experiments import (
     stack,
     structured,
     tenants,
+    tracing,
 )
 from bench.experiments.prefix import pull, store
 
@@ -43,6 +44,7 @@ EXPERIMENTS = {
     "tenants": (tenants, "a noisy neighbour: FIFO vs the fair queue, cost after cache, priority"),
     "kv_shares": (kv_shares, "a tenant's flood against another's prefixes: KV shares or not"),
     "sessions": (sessions, "agent sessions: a session's blocks kept across tool calls or not"),
+    "tracing": (tracing, "tracing off vs on at ratio 1.0: throughput, TTFT, spans per request"),
     "faults": (faults, "fault, overload and soak scenarios with a JSON and Markdown report"),
 }
 

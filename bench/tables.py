@@ -2,9 +2,9 @@
 
 ``python -m bench.tables docs/results/<run>.json`` prints the table of a ``speed`` run
 (ours next to vLLM, or without peers how close ours came to the machine), a ``stack`` run
-(our cluster next to Ray Serve LLM) or a ``speculation`` run (drafts on and off, one engine
-next to vLLM's ``ngram``, or the whole cluster), with the commit
-and CPU it measured. The README places each table after a marker naming its file
+(our cluster next to Ray Serve LLM), a ``speculation`` run (drafts on and off, one engine
+next to vLLM's ``ngram``, or the whole cluster) or a ``tracing`` run (tracing off and on),
+with the commit and CPU it measured. The README places each table after a marker naming its file
 (``<!-- table: docs/results/<run>.json -->``), and ``tests/test_results_tables.py`` checks
 that every such table is exactly what this prints: a table cannot drift from its run.
 """
@@ -171,11 +171,42 @@ def speculation_cluster_table(run: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def tracing_table(run: dict[str, Any]) -> str:
+    """Tracing off and on (sampling ratio 1.0): each mode's mean over its rounds, on / off
+    as the mean of the ABBA pairs' ratios (min-max), and the 3% target as measured."""
+    summary, target = run["summary"], run["target"]
+    off, on, ratio, met = (summary[k] for k in ("off", "on", "on_over_off", "target_met"))
+    bound = {"requests_per_s": f">= {1 - target:.2f}", "ttft_p50_s": f"<= {1 + target:.2f}"}
+    lines = [
+        f"| {off['rounds']} + {on['rounds']} rounds, ABBA | tracing off | tracing on, ratio 1.0 "
+        "| on / off (spread) | target |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for label, key, scale, fmt in (
+        ("requests/s", "requests_per_s", 1, ".2f"),
+        ("output tokens/s", "output_tokens_per_s", 1, ".0f"),
+        ("TTFT p50 ms", "ttft_p50_s", 1000, ".0f"),
+        ("TTFT p99 ms", "ttft_p99_s", 1000, ".0f"),
+    ):
+        verdict = f" {bound[key]}: {'met' if met[key] else 'not met'} " if key in met else " "
+        lines.append(
+            f"| {label} | {format(off[key] * scale, fmt)} | {format(on[key] * scale, fmt)} "
+            f"| {ratio[key]['mean']:.3f} ({ratio[key]['min']:.3f}-{ratio[key]['max']:.3f}) "
+            f"|{verdict}|"
+        )
+    spans = (f"{summary[m]['spans_per_request']:.1f}" for m in ("off", "on"))
+    lines.append(f"| spans received per request | {' | '.join(spans)} | | |")
+    lines.append(f"| failed requests, all rounds | {off['failed']} | {on['failed']} | | |")
+    return "\n".join(lines)
+
+
 def render(path: Path, name: str | None = None) -> str:
     """The table of the run kept at ``path`` (cited as ``name``, else the path as given),
     and the line naming what it measured."""
     run = json.loads(path.read_text())
-    if run.get("experiment") == "speculation":
+    if run.get("experiment") == "tracing":
+        table = tracing_table(run)
+    elif run.get("experiment") == "speculation":
         table = speculation_table(run) if "summary" in run else speculation_cluster_table(run)
     elif "rounds" in run:
         table = stack_table(run)

@@ -169,3 +169,38 @@ def test_speed_times_decode_inside_one_run_and_refuses_a_run_with_none() -> None
     assert not engine.has_unfinished_requests() and engine.block_manager.usage().in_use == 0
     with pytest.raises(ValueError, match="no decode was timed"):
         Timing(total_s=1.0, first_s=1.0, tokens_at_first=3).decode_rate(3)
+
+
+def test_tracing_pairs_each_repeats_rounds_and_judges_the_target_on_their_ratios() -> None:
+    """``tracing``: the parser's defaults, one trace for every round, on / off per ABBA pair
+    (mean, min-max) and the 3% verdict, and the table rendered from it (no cluster)."""
+    from bench.__main__ import build_parser
+    from bench.experiments import tracing
+    from bench.tables import tracing_table
+
+    args = build_parser().parse_args(["tracing"])
+    defaults = (args.model, args.replicas, args.requests, args.concurrency, args.repeats)
+    assert defaults == ("tiny-llama-6m", 2, 200, 8, 2)
+    assert tracing.trace(args) == tracing.trace(args)
+    assert len(tracing.trace(args)) == args.warmup + args.requests
+    assert all(r.system for r in tracing.trace(args))  # chats under shared system prompts
+    assert tracing.tracing_env("http://x:1")["OTEL_TRACES_SAMPLER_ARG"] == "1.0"
+
+    def one(rps: float, ttft: float, spans: float) -> dict:
+        return {"requests_per_s": rps, "output_tokens_per_s": 16 * rps, "ttft_p50_s": ttft,
+                "ttft_p99_s": 2 * ttft, "spans_per_request": spans, "cached_fraction": 0.8,
+                "failed": 0}  # fmt: skip
+
+    runs = {
+        "off": [one(10.0, 0.100, 0), one(10.0, 0.100, 0)],
+        "on": [one(9.9, 0.102, 12), one(9.7, 0.101, 12)],
+    }
+    summary = tracing.summary(runs)
+    rps = summary["on_over_off"]["requests_per_s"]
+    assert (rps["min"], rps["max"]) == (0.97, 0.99) and rps["mean"] == pytest.approx(0.98)
+    assert summary["target_met"] == {"requests_per_s": True, "ttft_p50_s": True}
+    runs["on"][1]["ttft_p50_s"] = 0.110  # the pairs' mean ratio: 1.06
+    assert not tracing.summary(runs)["target_met"]["ttft_p50_s"]
+    table = tracing_table({"summary": tracing.summary(runs), "target": tracing.TARGET})
+    assert "| <= 1.03: not met |" in table and "| >= 0.97: met |" in table
+    assert "| spans received per request | 0.0 | 12.0 | | |" in table
