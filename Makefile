@@ -53,7 +53,7 @@ install-vllm: install $(VLLM_STAMP) $(HF_MODEL)/config.json
 test: install install-vllm
 	scripts/ensure-system.sh test
 	PREFIX_SERVE_VLLM_PYTHON=$(abspath $(VLLM_PY)) PREFIX_SERVE_HF_MODEL=$(abspath $(HF_MODEL)) \
-	    $(PY) -m pytest -q
+	    $(PY) -m pytest -q --durations=30
 
 serve: install
 	scripts/ensure-system.sh start 6379
