@@ -96,6 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"unset {', '.join(set_before)} first: tracing off must be off")
     out = args.out or Path("results/tracing.json")
     out = out / "tracing.json" if out.suffix != ".json" else out
+    origin = provenance()  # the commit as the rounds start (a later one may land meanwhile)
     requests = trace(args)
     order = [mode for rep in range(args.repeats) for mode in abba(MODES, rep)]
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     payload = {
         "experiment": "tracing",
         "title": "Tracing off vs on (sampling ratio 1.0): throughput and TTFT",
-        "provenance": provenance(),
+        "provenance": origin,
         "conditions": {k: v for k, v in vars(args).items() if k != "out"},
         "target": TARGET,
         "order": order,
