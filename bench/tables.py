@@ -178,7 +178,8 @@ def tracing_table(run: dict[str, Any]) -> str:
     off, on, ratio, met = (summary[k] for k in ("off", "on", "on_over_off", "target_met"))
     bound = {"requests_per_s": f">= {1 - target:.2f}", "ttft_p50_s": f"<= {1 + target:.2f}"}
     lines = [
-        f"| {off['rounds']} + {on['rounds']} rounds, ABBA | tracing off | tracing on, ratio 1.0 "
+        f"| {off['rounds']} + {on['rounds']} rounds, ABBA | tracing off "
+        f"| tracing on, ratio {run.get('conditions', {}).get('ratio', 1.0)} "
         "| on / off (spread) | target |",
         "| --- | --- | --- | --- | --- |",
     ]

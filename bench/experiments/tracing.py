@@ -4,8 +4,9 @@ and TTFT p50 with every request traced within 3% of tracing off).
 The same cluster (``--replicas`` engine replicas of ``--model``, float32, one thread each,
 the default prefix-aware routing and node store, Redis) runs with tracing off (no
 ``OTEL_*`` variable: every hook is one ``None`` check) and on at sampling ratio 1.0
-(``OTEL_TRACES_EXPORTER=otlp`` to an ``OTLPReceiver`` in this process,
-``parentbased_traceidratio`` at 1.0, the batch processor's default delays). Modes alternate
+(``OTEL_TRACES_EXPORTER=otlp`` to an OTLP/HTTP receiver in a process of its own, as a
+collector runs beside a cluster: ``ReceiverProcess``; ``parentbased_traceidratio`` at
+``--ratio``, 1.0 by default; the batch processor's default delays). Modes alternate
 ABBA over ``--repeats`` (off, on, on, off, ...), each round a fresh cluster with its own
 private Ray (the variables reach the ingress and the replicas through the Ray it starts).
 
@@ -28,14 +29,13 @@ import os
 import random
 import statistics
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from bench.harness.launcher import ServeCluster
-from bench.harness.otlp_receiver import OTLPReceiver
+from bench.harness.otlp_receiver import ReceiverProcess
 from bench.harness.redis_server import LocalRedis
 from bench.harness.rounds import abba
 from bench.loadgen import RequestResult, send
@@ -61,15 +61,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system-chars", type=int, default=600)
     parser.add_argument("--repeats", type=int, default=2, help="ABBA pairs")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--ratio", type=float, default=1.0, help="on: the sampling ratio")
 
 
-def tracing_env(endpoint: str) -> dict[str, str]:
-    """Every request traced, exported over OTLP/HTTP to ``endpoint`` (default delays)."""
+def tracing_env(endpoint: str, ratio: float = 1.0) -> dict[str, str]:
+    """Requests traced at ``ratio``, exported over OTLP/HTTP to ``endpoint`` (default
+    delays)."""
     return {
         "OTEL_TRACES_EXPORTER": "otlp",
         "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
         "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
-        "OTEL_TRACES_SAMPLER_ARG": "1.0",
+        "OTEL_TRACES_SAMPLER_ARG": str(ratio),
     }
 
 
@@ -100,7 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     requests = trace(args)
     order = [mode for rep in range(args.repeats) for mode in abba(MODES, rep)]
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
-    receiver = OTLPReceiver().start()
+    receiver = ReceiverProcess()
     try:
         with LocalRedis() as redis:
             for i, mode in enumerate(order):
@@ -110,7 +112,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         receiver.stop()
     payload = {
         "experiment": "tracing",
-        "title": "Tracing off vs on (sampling ratio 1.0): throughput and TTFT",
+        "title": f"Tracing off vs on (sampling ratio {args.ratio}): throughput and TTFT",
         "provenance": origin,
         "conditions": {k: v for k, v in vars(args).items() if k != "out"},
         "target": TARGET,
@@ -137,11 +139,11 @@ def run_round(
     mode: str,
     requests: list[TraceRequest],
     redis_url: str,
-    receiver: OTLPReceiver,
+    receiver: ReceiverProcess,
 ) -> dict[str, Any]:
     """One fresh cluster: the warm-up, the measured requests, then the spans received."""
     receiver.clear()
-    env = tracing_env(receiver.endpoint) if mode == "on" else {}
+    env = tracing_env(receiver.endpoint, args.ratio) if mode == "on" else {}
     started = time.monotonic()
     with ServeCluster(cluster_args(args, redis_url), env=env) as cluster:
         start_s = time.monotonic() - started
@@ -150,15 +152,13 @@ def run_round(
         measured = requests[args.warmup :]
         results, makespan = asyncio.run(closed_loop(cluster.base_url, model, measured, args))
         spans_running = settled_spans(receiver)
-    spans = receiver.spans()
+    spans = receiver.count()
     metrics = round_metrics(results, makespan)
     return metrics | {
         "start_s": start_s,
         "spans_while_running": spans_running,
-        "spans": len(spans),
-        "traces": len({s.trace_id for s in spans}),
-        "spans_per_request": len(spans) / len(requests),
-        "span_names": dict(Counter(s.name for s in spans).most_common()),
+        "spans": spans,
+        "spans_per_request": spans / len(requests),
     }
 
 
@@ -182,12 +182,12 @@ async def closed_loop(
     return [r for r in results if r is not None], makespan
 
 
-def settled_spans(receiver: OTLPReceiver, quiet_s: float = 7.0, limit_s: float = 30.0) -> int:
+def settled_spans(receiver: ReceiverProcess, quiet_s: float = 7.0, limit_s: float = 30.0) -> int:
     """The spans received once none came for ``quiet_s`` (more than the batch processor's
     default 5 s delay), or after ``limit_s``."""
     deadline, last, count = time.monotonic() + limit_s, time.monotonic(), -1
     while time.monotonic() < deadline:
-        now = len(receiver.spans())
+        now = receiver.count()
         if now != count:
             count, last = now, time.monotonic()
         elif time.monotonic() - last >= quiet_s:

@@ -77,6 +77,7 @@ class OTLPReceiver:
         self._spans: list[ReceivedSpan] = []
         self._lock = threading.Lock()
         self.requests = 0
+        self.paths: dict[str, int] = {}  # every POST's path, counted (404 but traces)
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -84,7 +85,8 @@ class OTLPReceiver:
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 if self.headers.get("content-encoding") == "gzip":
                     body = gzip.decompress(body)
-                if self.path != "/v1/traces":
+                receiver.paths[self.path] = receiver.paths.get(self.path, 0) + 1
+                if self.path != "/v1/traces":  # metrics or logs: someone else's exporter
                     self.send_error(404)
                     return
                 receiver._add(decode(body))
@@ -125,3 +127,82 @@ class OTLPReceiver:
     def clear(self) -> None:
         with self._lock:
             self._spans.clear()
+
+
+class ReceiverProcess:
+    """An ``OTLPReceiver`` in a process of its own, as a collector runs beside a cluster: a
+    benchmark's clients then share no interpreter (and no lock) with the decoding.
+    ``count()`` asks it how many spans it has received (``GET /count``)."""
+
+    def __init__(self) -> None:
+        import subprocess
+        import sys
+
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.harness.otlp_receiver"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._proc.stdout is not None
+        self.endpoint = self._proc.stdout.readline().strip()  # its first line: where
+        if not self.endpoint.startswith("http://"):
+            self.stop()
+            raise RuntimeError(f"the receiver process said {self.endpoint!r}")
+
+    def count(self) -> int:
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.endpoint}/count", timeout=10) as reply:
+            return int(reply.read())
+
+    def clear(self) -> None:
+        import urllib.request
+
+        request = urllib.request.Request(f"{self.endpoint}/clear", method="POST", data=b"")
+        urllib.request.urlopen(request, timeout=10).close()
+
+    def stop(self) -> None:
+        self._proc.terminate()
+        try:
+            self._proc.wait(10)
+        except Exception:
+            self._proc.kill()
+            self._proc.wait()
+
+
+def _serve_counting() -> None:
+    """``python -m bench.harness.otlp_receiver``: a receiver that prints its endpoint, then
+    answers ``GET /count`` and ``POST /clear`` beside ``POST /v1/traces``."""
+    import signal
+
+    stops = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # every thread: sigwait takes them
+    receiver = OTLPReceiver()
+    handler = receiver._server.RequestHandlerClass
+    post = handler.do_POST
+
+    def do_get(self: BaseHTTPRequestHandler) -> None:
+        body = str(len(receiver.spans())).encode()
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_post(self: BaseHTTPRequestHandler) -> None:
+        if self.path != "/clear":
+            post(self)
+            return
+        receiver.clear()
+        self.send_response(204)
+        self.end_headers()
+
+    handler.do_GET = do_get  # type: ignore[attr-defined]
+    handler.do_POST = do_post  # type: ignore[method-assign]
+    receiver.start()
+    print(receiver.endpoint, flush=True)
+    signal.sigwait(stops)
+    receiver.stop()
+
+
+if __name__ == "__main__":
+    _serve_counting()
