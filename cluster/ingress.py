@@ -10,9 +10,9 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
@@ -150,11 +150,11 @@ class Ingress:
         return link.LINK.snapshot()
 
     @app.get("/cluster/decisions")
-    async def cluster_decisions(self, limit: int = 50) -> dict[str, Any]:
+    async def cluster_decisions(
+        self, limit: Annotated[int, Query(ge=0, le=512)] = 50
+    ) -> dict[str, Any]:
         """This ingress replica's latest routing decisions with their reuse ledger
         (``cluster.reuse``), oldest first, and its totals."""
-        if not 0 <= limit <= 512:
-            raise APIError(400, "limit: must be in [0, 512]", param="limit")
         return self.ledger.report(limit)
 
     @app.post("/v1/completions", response_model=None)

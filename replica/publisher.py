@@ -30,6 +30,17 @@ class PublisherCounters:
     registrations: int = 0
     heartbeats: int = 0  # heartbeats Redis took
 
+    def routing_stats(self, in_sync: bool) -> dict[str, int | bool]:
+        """What a replica reports of its feed of the index (the routers' gauges
+        ``prefix_serve_replica_index_*``): whether it is in sync, and what it lost."""
+        return {
+            "index_in_sync": in_sync,
+            "index_failures": self.failures,
+            "index_resyncs": self.resyncs,
+            "index_dropped_batches": self.dropped_batches,
+            "index_overflows": self.overflows,
+        }
+
 
 class IndexPublisher:
     """Keeps the index's view of one replica equal to its engine's cached set.

@@ -51,6 +51,7 @@ _STATUSES = {
     ("get", "/v1/models"): ("401", "500"),
     ("get", "/metrics"): ("401", "500"),
     ("get", "/cluster/stats"): ("401", "500"),
+    ("get", "/cluster/decisions"): ("400", "401", "500"),
     ("get", "/health"): ("500",),
     ("get", "/ready"): ("500", "503"),
 }
