@@ -224,5 +224,10 @@ def test_a_failover_is_one_trace_across_both_replicas(observed: Observed) -> Non
         c.attributes["prefix_serve.attempt"]: c.attributes["prefix_serve.replica"] for c in calls
     }
     assert replicas[0] == victim and replicas[1] != victim
-    assert any(s.name == "replica.generate" and s.attributes["prefix_serve.replica"] == replicas[1]
-               for s in observed.receiver.spans(trace_id))  # fmt: skip
+    # the survivor's own span, exported by its process once the request was over
+    while not any(
+        s.name == "replica.generate" and s.attributes["prefix_serve.replica"] == replicas[1]
+        for s in observed.receiver.spans(trace_id)
+    ):
+        assert time.monotonic() < deadline, [s.name for s in observed.receiver.spans(trace_id)]
+        time.sleep(0.1)

@@ -1,16 +1,14 @@
 """deploy/prometheus, checked without a cluster: Prometheus's own tool accepts the config and
 the rules, the rules' unit tests pass, every rule and alert is tested there, every metric
-they name is one the code exports (a renamed metric fails here, not in production), and the
-harness's real Prometheus scrapes a stand-in target with its key and evaluates the rules."""
+they name is one the code exports (a renamed metric fails here, not in production). A real
+Prometheus scraping a real cluster with its key and evaluating the rules:
+``test_observe_prometheus.py``."""
 
 from __future__ import annotations
 
 import re
 import shutil
-import threading
-import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +16,7 @@ import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
-from bench.harness.prometheus import PrometheusServer, promtool
+from bench.harness.prometheus import promtool
 from cluster.api import metrics as api_metrics
 from router import routing_stats
 
@@ -130,54 +128,3 @@ def test_every_metric_the_rules_name_is_exported() -> None:
         if names:
             unknown[rule.get("record") or rule["alert"]] = sorted(names)
     assert unknown == {}
-
-
-class _Target(BaseHTTPRequestHandler):
-    """A /metrics needing ``Bearer secret``, with one reuse counter."""
-
-    def do_GET(self) -> None:
-        if self.headers.get("Authorization") != "Bearer secret":
-            self.send_response(401)
-            self.end_headers()
-            return
-        body = (
-            b"# TYPE prefix_serve_reuse_reusable_tokens_total counter\n"
-            b'prefix_serve_reuse_reusable_tokens_total{tenant="a",policy="p"} 42\n'
-        )
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
-def test_the_harness_prometheus_scrapes_with_the_key_and_loads_the_rules() -> None:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Target)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    target = f"127.0.0.1:{server.server_address[1]}"
-    files = [DEPLOY / name for name in RULE_FILES]
-    try:
-        with PrometheusServer([target], "secret", 0.5, files) as prom:
-            prom.wait_for_scrape(timeout_s=20, after=time.time())
-            assert prom.value("sum(prefix_serve_reuse_reusable_tokens_total)") == 42
-            deadline = time.monotonic() + 20
-            while any(r["health"] == "unknown" for r in prom.rules()):
-                assert time.monotonic() < deadline, prom.rules()
-                time.sleep(0.2)
-            assert len(prom.rules()) == len(all_rules())
-            assert {r["name"]: r["health"] for r in prom.rules() if r["health"] != "ok"} == {}
-            proc = prom._proc
-        assert proc is not None and proc.poll() is not None  # stopped, not left behind
-        assert not prom.config_path.exists()
-        with PrometheusServer([target], "wrong", 0.5) as prom:  # scraped, refused: up 0
-            deadline = time.monotonic() + 20  # its first scrape: within ~5 s of its start
-            while prom.value("up") is None and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert prom.value("up") == 0
-            with pytest.raises(TimeoutError):
-                prom.wait_for_scrape(timeout_s=1)
-    finally:
-        server.shutdown()
-        server.server_close()
