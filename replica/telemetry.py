@@ -20,11 +20,15 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+if TYPE_CHECKING:  # the SDK loads only where tracing is on
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 log = logging.getLogger("ray.serve")
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -73,8 +77,8 @@ def _exporter_names() -> list[str]:
     return [n.strip() for n in names.split(",") if n.strip() and n.strip() != "none"]
 
 
-def _exporters() -> list:  # type: ignore[type-arg]  # SpanExporter, imported lazily
-    exporters = []
+def _exporters() -> list[SpanExporter]:
+    exporters: list[SpanExporter] = []
     for name in _exporter_names():
         if name == "otlp":
             protocol = os.environ.get(

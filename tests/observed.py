@@ -17,7 +17,7 @@ import pytest
 from conftest import tiny
 
 from bench.harness.launcher import ServeCluster
-from bench.harness.otlp_receiver import OTLPReceiver
+from bench.harness.otlp_receiver import OTLPReceiver, tracing_env
 from bench.harness.redis_server import LocalRedis
 from cluster.config import ClusterArgs
 from kvindex.config import IndexConfig
@@ -56,18 +56,6 @@ def observed_args(redis: LocalRedis) -> ClusterArgs:
     )
 
 
-def tracing_env(endpoint: str) -> dict[str, str]:
-    """Every span, exported within 0.2 s of its end, over OTLP/HTTP to ``endpoint``."""
-    return {
-        "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
-        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
-        "OTEL_TRACES_SAMPLER_ARG": "1.0",
-        "OTEL_BSP_SCHEDULE_DELAY": "200",
-    }
-
-
 _running: Observed | None = None
 _failed_before = 0
 
@@ -81,7 +69,7 @@ def observed(request: pytest.FixtureRequest) -> Observed:
         redis = LocalRedis().start()
         receiver = OTLPReceiver().start()
         try:
-            env = tracing_env(receiver.endpoint)
+            env = tracing_env(receiver.endpoint, delay_ms=200)  # every span within 0.2 s
             cluster = ServeCluster(observed_args(redis), env=env).start()
         except BaseException:
             receiver.stop()

@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 from bench.harness.launcher import ServeCluster
-from bench.harness.otlp_receiver import ReceiverProcess
+from bench.harness.otlp_receiver import ReceiverProcess, tracing_env
 from bench.harness.redis_server import LocalRedis
 from bench.harness.rounds import abba
 from bench.loadgen import RequestResult, send
@@ -62,17 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=2, help="ABBA pairs")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--ratio", type=float, default=1.0, help="on: the sampling ratio")
-
-
-def tracing_env(endpoint: str, ratio: float = 1.0) -> dict[str, str]:
-    """Requests traced at ``ratio``, exported over OTLP/HTTP to ``endpoint`` (default
-    delays)."""
-    return {
-        "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
-        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
-        "OTEL_TRACES_SAMPLER_ARG": str(ratio),
-    }
 
 
 def trace(args: argparse.Namespace) -> list[TraceRequest]:

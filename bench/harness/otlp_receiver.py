@@ -4,12 +4,19 @@ kept in memory for a test or the tracing benchmark to read.
 It speaks the protocol the OpenTelemetry exporters speak (``POST /v1/traces``, an
 ``ExportTraceServiceRequest`` in protobuf, gzip or not) and decodes it with the
 OpenTelemetry proto package, so what a test reads is what any collector would have received.
+``ReceiverProcess`` runs one in a process of its own (a benchmark's collector), answering
+``GET /count`` and ``POST /clear``; ``tracing_env`` is what a cluster is started with to
+send it its traces.
 """
 
 from __future__ import annotations
 
 import gzip
+import signal
+import subprocess
+import sys
 import threading
+import urllib.request
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -86,16 +93,28 @@ class OTLPReceiver:
                 if self.headers.get("content-encoding") == "gzip":
                     body = gzip.decompress(body)
                 receiver.paths[self.path] = receiver.paths.get(self.path, 0) + 1
-                if self.path != "/v1/traces":  # metrics or logs: someone else's exporter
+                if self.path == "/clear":  # a benchmark between rounds
+                    receiver.clear()
+                    self._reply(b"", "text/plain")
+                elif self.path == "/v1/traces":
+                    receiver._add(decode(body))
+                    reply = ExportTraceServiceResponse().SerializeToString()
+                    self._reply(reply, "application/x-protobuf")
+                else:  # metrics or logs: someone else's exporter
+                    self.send_error(404)
+
+            def do_GET(self) -> None:  # ``/count``: the spans received, for another process
+                if self.path != "/count":
                     self.send_error(404)
                     return
-                receiver._add(decode(body))
-                reply = ExportTraceServiceResponse().SerializeToString()
+                self._reply(str(len(receiver.spans())).encode(), "text/plain")
+
+            def _reply(self, body: bytes, content_type: str) -> None:
                 self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", str(len(reply)))
+                self.send_header("content-type", content_type)
+                self.send_header("content-length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(reply)
+                self.wfile.write(body)
 
             def log_message(self, *args: Any) -> None:  # quiet
                 return
@@ -135,9 +154,6 @@ class ReceiverProcess:
     ``count()`` asks it how many spans it has received (``GET /count``)."""
 
     def __init__(self) -> None:
-        import subprocess
-        import sys
-
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "bench.harness.otlp_receiver"],
             stdout=subprocess.PIPE,
@@ -150,14 +166,10 @@ class ReceiverProcess:
             raise RuntimeError(f"the receiver process said {self.endpoint!r}")
 
     def count(self) -> int:
-        import urllib.request
-
         with urllib.request.urlopen(f"{self.endpoint}/count", timeout=10) as reply:
             return int(reply.read())
 
     def clear(self) -> None:
-        import urllib.request
-
         request = urllib.request.Request(f"{self.endpoint}/clear", method="POST", data=b"")
         urllib.request.urlopen(request, timeout=10).close()
 
@@ -165,44 +177,37 @@ class ReceiverProcess:
         self._proc.terminate()
         try:
             self._proc.wait(10)
-        except Exception:
+        except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
 
 
-def _serve_counting() -> None:
-    """``python -m bench.harness.otlp_receiver``: a receiver that prints its endpoint, then
-    answers ``GET /count`` and ``POST /clear`` beside ``POST /v1/traces``."""
-    import signal
-
+def _serve() -> None:
+    """``python -m bench.harness.otlp_receiver``: a receiver that prints its endpoint and
+    runs until SIGTERM or SIGINT."""
     stops = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # every thread: sigwait takes them
-    receiver = OTLPReceiver()
-    handler = receiver._server.RequestHandlerClass
-    post = handler.do_POST
-
-    def do_get(self: BaseHTTPRequestHandler) -> None:
-        body = str(len(receiver.spans())).encode()
-        self.send_response(200)
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_post(self: BaseHTTPRequestHandler) -> None:
-        if self.path != "/clear":
-            post(self)
-            return
-        receiver.clear()
-        self.send_response(204)
-        self.end_headers()
-
-    handler.do_GET = do_get  # type: ignore[attr-defined]
-    handler.do_POST = do_post  # type: ignore[method-assign]
-    receiver.start()
+    receiver = OTLPReceiver().start()
     print(receiver.endpoint, flush=True)
     signal.sigwait(stops)
     receiver.stop()
 
 
+def tracing_env(endpoint: str, ratio: float = 1.0, delay_ms: int | None = None) -> dict[str, str]:
+    """The ``OTEL_*`` variables that trace a cluster's requests at ``ratio`` to an OTLP/HTTP
+    receiver at ``endpoint`` (``delay_ms``: the batch processor's export delay, else its
+    default 5 s)."""
+    env = {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": str(ratio),
+    }
+    if delay_ms is not None:
+        env["OTEL_BSP_SCHEDULE_DELAY"] = str(delay_ms)
+    return env
+
+
 if __name__ == "__main__":
-    _serve_counting()
+    _serve()
