@@ -45,6 +45,9 @@ def request_router_config(args: ClusterArgs) -> RequestRouterConfig:
     )
 
 
+DRAIN_POLL_S = 0.2
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """Ingress plus ``num_replicas`` engine replicas behind the configured router."""
     cluster = ClusterArgs.model_validate(args)
@@ -67,6 +70,9 @@ def build_app(args: dict[str, Any]) -> Application:
             "resources": cluster.replica_resources,
         },
         graceful_shutdown_timeout_s=cluster.drain_timeout_s,
+        # Serve polls a stopping replica's ongoing requests this often: moved streams leave
+        # at once, and the replica should not then wait out Serve's 2 s default
+        graceful_shutdown_wait_loop_s=DRAIN_POLL_S if cluster.moves.enabled else 2.0,
         request_router_config=request_router_config(cluster),
     ).bind(cluster.replica_args().model_dump())
     return Ingress.options(

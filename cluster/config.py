@@ -13,6 +13,7 @@ from cluster.tenants import APIKeyRecord, key_records
 from kvindex.config import IndexConfig
 from replica.args import ReplicaArgs
 from replica.config import EngineConfig
+from replica.move_config import MoveConfig
 from replica.pull_config import PullConfig
 from replica.store.config import StoreConfig
 from router.config import PrefillCostRouting, RoutingConfig
@@ -135,6 +136,11 @@ class ClusterArgs(BaseModel):
         default_factory=StoreConfig,
         description="the second cache tier: evicted blocks kept in a node-shared store",
     )
+    moves: MoveConfig = Field(
+        default_factory=MoveConfig,
+        description="streams and hot prefixes handed on, token-exact, by a replica that "
+        "leaves or is too busy",
+    )
     api_keys: list[str | APIKeyRecord] = Field(
         default_factory=list,
         description="if any, required as 'Bearer <key>' (not /health, /ready); a record "
@@ -186,4 +192,6 @@ class ClusterArgs(BaseModel):
 
     def replica_args(self) -> ReplicaArgs:
         """What an engine replica needs: its engine and the index it publishes to."""
-        return ReplicaArgs(engine=self.engine, index=self.index, pull=self.pull, store=self.store)
+        return ReplicaArgs(
+            engine=self.engine, index=self.index, pull=self.pull, store=self.store, moves=self.moves
+        )

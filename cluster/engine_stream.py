@@ -11,6 +11,11 @@ been, with no token twice and ``usage`` counting each once. At most ``max_resume
 after the first; a request whose client went away is never resumed (its cancellation ends
 the stream here). A request with ``n`` > 1 choices is resent before its first token, but
 not resumed mid-stream (its choices would each need a continuation): it fails cleanly.
+
+A replica can also hand a stream on while it lives (``replica.moves``: it leaves, or is too
+busy): its last chunk there carries a ``Move`` instead of a token, and the request goes on
+as a continuation in the same way, first to the replica that took its KV. A move is not a
+failure: it counts in ``prefix_serve_moved_requests_total``, not against ``max_resumes``.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class EngineStream:
     ) -> None:
         self.request = request
         self.resumes = 0
+        self.moves = 0  # times a replica handed it on (``replica.moves``): not failures
         self._engine = engine
         self._rehash = rehash  # a block chain under a salt: BlockHasher.chain
         self._max_resumes = max_resumes
@@ -74,6 +80,9 @@ class EngineStream:
                     raise
                 self._end_call(failed=type(exc).__name__)
                 raise error from exc
+            if chunk.moved is not None:  # stopped there before its first token: on elsewhere
+                self._stream = self._send(self._moved_on(chunk))
+                continue
             self._delivered += chunk.new_token_ids if chunk.index == 0 else []
             self.cached_tokens = chunk.num_cached_tokens
             self.note = await self._routed(chunk)
@@ -105,13 +114,18 @@ class EngineStream:
             assert self._stream is not None
             try:
                 async for chunk in self._stream:
+                    if chunk.moved is not None:  # its replica handed it on: the last chunk
+                        self._stream = self._send(self._moved_on(chunk))
+                        self._resent = True
+                        break
                     if self._resent:  # the first chunk of a resumed send
                         self._resent = False
                         await self._routed(chunk)
                     self._delivered += chunk.new_token_ids if chunk.index == 0 else []
                     yield chunk
-                self._end_call()
-                return
+                else:
+                    self._end_call()
+                    return
             except ray.exceptions.RayError as exc:
                 cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else None
                 if isinstance(cause, InvalidRequestError | RequestFailedError):  # anywhere
@@ -164,6 +178,20 @@ class EngineStream:
             raise replica_failed() from None
         self.resumes += 1
         api_metrics.RESUMES.labels(when, "resumed").inc()
+
+    def _moved_on(self, chunk: RequestOutput) -> EngineRequest:
+        """The request again after its replica moved it (``replica.moves``): a
+        continuation, first to the replica that took its KV."""
+        move = chunk.moved
+        assert move is not None
+        outcome = "pushed" if move.target is not None else "recomputed"
+        api_metrics.MOVES.labels(move.reason, outcome).inc()
+        if self._call is not None:
+            self._call.set_attribute("prefix_serve.replica", chunk.replica_id)
+            self._call.set_attribute("prefix_serve.moved", f"{move.reason}:{outcome}")
+            self._call.set_attribute("prefix_serve.moved_tokens", move.tokens)
+        self.moves += 1
+        return replace(self._continuation(), prefer_replica_id=move.target)
 
     def _continuation(self) -> EngineRequest:
         """The request again, carrying what the client already has."""

@@ -32,6 +32,7 @@ from cluster.dashboard import install_dashboard
 from cluster.engine_stream import EngineStream
 from cluster.gate import Gate
 from cluster.metrics_share import MetricsShare
+from cluster.moves import order_moves
 from cluster.readiness import Readiness, readiness
 from cluster.request_builder import RequestBuilder
 from cluster.reuse import ReuseLedger, header, reuse_of
@@ -156,6 +157,18 @@ class Ingress:
         """This ingress replica's latest routing decisions with their reuse ledger
         (``cluster.reuse``), oldest first, and its totals."""
         return self.ledger.report(limit)
+
+    @app.post("/cluster/replicas/{replica_id}/moves")
+    async def cluster_moves(
+        self,
+        replica_id: str,
+        to: str | None = None,
+        max_streams: Annotated[int | None, Query(ge=1)] = None,
+        push_timeout_s: Annotated[float | None, Query(gt=0, le=60)] = None,
+    ) -> dict[str, Any]:
+        """Move an engine replica's streams elsewhere now, token-exact (``cluster.moves``)."""
+        live = set(link.LINK.snapshot().get("replicas", {}))
+        return await order_moves(self.engine, live, replica_id, to, max_streams, push_timeout_s)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(

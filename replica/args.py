@@ -1,5 +1,5 @@
 """What one engine replica is built from (the deployment's argument; ``ClusterArgs.replica``
-hands it over): its engine, the index it publishes to, and its pull and store settings."""
+hands it over): its engine, the index it publishes to, and its pull, store and move settings."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pydantic import BaseModel, ConfigDict
 
 from kvindex.config import IndexConfig
 from replica.config import EngineConfig
+from replica.move_config import MoveConfig
 from replica.pull_config import PullConfig
 from replica.store.config import StoreConfig
 
@@ -20,3 +21,4 @@ class ReplicaArgs(BaseModel):
     index: IndexConfig = IndexConfig()
     pull: PullConfig = PullConfig()
     store: StoreConfig = StoreConfig()
+    moves: MoveConfig = MoveConfig()

@@ -12,7 +12,6 @@ import asyncio
 import atexit
 import functools
 import logging
-import math
 import os
 import time
 from collections.abc import AsyncIterator
@@ -24,12 +23,12 @@ import ray
 from ray import serve
 
 from kvindex.writer import IndexWriter
-from replica import telemetry
+from replica import process, telemetry
 from replica.args import ReplicaArgs
-from replica.config import EngineConfig
 from replica.engine_loop import EngineLoop
 from replica.errors import RequestFailedError
-from replica.messages import EngineRequest, PullRequest, RequestOutput
+from replica.messages import EngineRequest, KVPush, Move, MoveOrder, PullRequest, RequestOutput
+from replica.moves import Mover
 from replica.publisher import IndexPublisher
 from replica.store.files import publisher_lock_path
 from replica.store_publisher import StorePublisher
@@ -41,15 +40,6 @@ if TYPE_CHECKING:  # torch loads in the replica's process only, not where the ap
     from replica.store.tier import StoreTier
 
 log = logging.getLogger("ray.serve")
-
-
-def _rss_mb() -> float | None:
-    """Resident memory of this process (Linux), for the overload and soak reports."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 class EngineFailedError(RuntimeError):
@@ -66,7 +56,7 @@ class EngineReplica:
         from replica.pull import Puller
 
         self.args = ReplicaArgs.model_validate(args)
-        config = _engine_config(self.args)
+        config = process.engine_config(self.args)
         self.runner = ModelRunner(config)  # the engine is handed its runner
         self.engine = Engine(config, self.runner)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -90,6 +80,14 @@ class EngineReplica:
             self.args.index,
             self.args.pull,
             self.node_id,
+        )
+        self.mover = Mover(
+            self.engine,
+            self.engine_loop.streams,
+            self._on_engine,
+            self.puller.handle,
+            self.replica_id,
+            self.args.moves,
         )
         atexit.register(self._leave_index)
         self.publisher.start()
@@ -125,6 +123,7 @@ class EngineReplica:
         (``trace_parent``) leaves its spans here once it is over (``replica.trace_spans``)."""
         if self.engine_loop.failure is not None:
             raise EngineFailedError("the engine loop failed") from self.engine_loop.failure
+        self.mover.watch()
         tracer = telemetry.tracer("prefix-serve-replica") if request.trace_parent else None
         arrived = time.monotonic()
         pulled = await self._admit(request, traced=tracer is not None)
@@ -133,6 +132,7 @@ class EngineReplica:
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.engine_loop.streams[rid] = queue
         self.engine_loop.wake()
+        self.mover.arrived(rid)  # routed here as this replica leaves: it goes on elsewhere
         unfinished = request.params.n  # the stream ends when every choice has
         finished = False
         last: RequestOutput | None = None
@@ -145,7 +145,7 @@ class EngineReplica:
                 if isinstance(item, BaseException):
                     raise EngineFailedError("the engine loop failed") from item
                 unfinished -= item.finished
-                finished = unfinished == 0
+                finished = unfinished == 0 or item.moved is not None  # moved: it ends here
                 if item.index == 0:
                     if emitted == 0 and pulled is not None:
                         item = replace(item, num_pulled_tokens=pulled.tokens)
@@ -196,6 +196,25 @@ class EngineReplica:
             by_reference,
         )
 
+    async def accept_kv(self, push: KVPush) -> str:
+        """Import KV another replica hands on (a moved stream's, a leaving replica's hot
+        prefix), verified like a pull; this replica's id (``replica.moves``)."""
+        from replica.kv.transfer import import_prefix
+
+        self.mover.watch()
+        result = await self._on_engine(
+            import_prefix, self.engine.kv, push.token_ids, push.cache_salt, push.export
+        )
+        self.mover.received(result.imported)
+        return self.replica_id
+
+    async def move_streams(self, order: MoveOrder) -> list[Move]:
+        """Move streams off this replica now (an operator's order, ``MoveOrder``)."""
+        self.mover.watch()
+        return await self.mover.move_many(
+            order.to, order.max_streams, order.reason, order.push_timeout_s
+        )
+
     async def _on_engine(self, fn: Any, *args: Any) -> Any:
         """Run ``fn`` on the engine's thread (between steps, never during one)."""
         return await asyncio.get_running_loop().run_in_executor(
@@ -215,8 +234,9 @@ class EngineReplica:
             "epoch": self.publisher.epoch,
             "pid": os.getpid(),
             "node_id": self.node_id,
-            "rss_mb": _rss_mb(),
+            "rss_mb": process.rss_mb(),
             **self.puller.counters.to_dict(),
+            **self.mover.counters.to_dict(),
             **self._store_stats(),
             "idle_audits": self.engine_loop.audits,
             "audit_error": self.engine_loop.audit_error,
@@ -234,7 +254,9 @@ class EngineReplica:
 
     async def __del__(self) -> None:
         """Serve's graceful stop (Ctrl-C, scale-down, redeploy), after the replica's
-        running requests finished or its graceful-shutdown timeout passed."""
+        running requests finished (or moved: ``replica.moves``) or its graceful-shutdown
+        timeout passed."""
+        self.mover.stop()
         self.engine_loop.stop()
         self._leave_index()
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -254,16 +276,3 @@ class EngineReplica:
                 log.info("left the index (node store: last user %s, publisher %s)", last, leading)
             if self.tier is not None:
                 self.tier.wait_idle(2.0)  # its mapping stays: steps may still run
-
-
-def _engine_config(args: ReplicaArgs) -> EngineConfig:
-    """``num_threads`` unset: as many torch threads as CPUs Ray gave this replica (rounded
-    up), so replicas sharing a machine do not oversubscribe it. The pool is shared memory
-    when same-node pulls read it."""
-    update: dict[str, Any] = {}
-    if args.engine.num_threads is None:
-        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
-        update["num_threads"] = max(1, math.ceil(cpus))
-    if args.pull.enabled and args.pull.shared_memory:
-        update["shared_kv_pool"] = True
-    return args.engine.model_copy(update=update)

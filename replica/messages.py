@@ -74,6 +74,21 @@ class EngineRequest:
     retention: Retention | None = None  # keep its blocks for the session's next turn
     owner: Owner = Owner()  # its tenant's share of the pool
     trace_parent: str | None = None  # W3C traceparent of the ingress's call: it is traced
+    prefer_replica_id: str | None = None  # moved here: the replica its KV was pushed to
+
+
+@dataclass(frozen=True)
+class Move:
+    """A stream this replica stopped so that another continues it (``replica.moves``): the
+    replica its KV (prompt and output so far) went to (None: the push failed or found no
+    replica, and the next one recomputes it), the tokens and bytes pushed, the seconds it
+    took, and why (``leaving``, ``balance``, ``operator``)."""
+
+    target: str | None
+    tokens: int
+    num_bytes: int
+    seconds: float
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -102,6 +117,7 @@ class RequestOutput:
     num_restored_tokens: int = 0  # of num_cached_tokens: restored from the node store
     num_pulled_tokens: int = 0  # of num_cached_tokens: pulled from another replica
     times: EngineTimes | None = None  # a traced request's last output: where its time went
+    moved: Move | None = None  # the stream's last output here: it goes on elsewhere
 
     def streamed(self, replica_id: str) -> RequestOutput:
         """This output as a replica sends it: with its id, and without the cumulative
@@ -119,3 +135,33 @@ class PullRequest:
     prompt_token_ids: list[int]
     cache_salt: str | None
     node_id: str | None = None  # the requester's Ray node: same node, read the pool itself
+
+
+@dataclass(frozen=True)
+class KVPush:
+    """KV one replica hands another (``replica.moves``): a moved stream's prompt and output,
+    or a leaving replica's hot prefix. Routed to ``target_replica_id`` when set, else like
+    an engine request for ``route`` (where the router would send that prefix next), never
+    to ``avoid_replica_id`` (the sender). ``export`` is a ``replica.kv.transfer.
+    PrefixExport`` (typed loosely: this module imports no torch)."""
+
+    token_ids: list[int]
+    cache_salt: str | None
+    export: object
+    route: RoutingRequest | None = None
+    target_replica_id: str | None = None
+    avoid_replica_id: str | None = None
+
+
+@dataclass(frozen=True)
+class MoveOrder:
+    """Move streams off ``target_replica_id`` (the replica that runs them): every one, or at
+    most ``max_streams`` (longest remaining first), to ``to`` (None: where the router sends
+    each); ``reason`` is counted. A push not taken within ``push_timeout_s`` leaves
+    that stream to be recomputed where it goes."""
+
+    target_replica_id: str
+    to: str | None = None
+    max_streams: int | None = None
+    reason: str = "operator"
+    push_timeout_s: float | None = None  # each push's wait (None: ``moves.push_timeout_s``)

@@ -105,7 +105,7 @@ class Puller:
         pull = PullRequest(holder, ids, request.cache_salt, self.node_id)
         try:
             export = await asyncio.wait_for(
-                self._export_handle().export_prefix.remote(pull), self.config.timeout_s
+                self.handle().export_prefix.remote(pull), self.config.timeout_s
             )
         except Exception as exc:  # late, dead or refusing holder: recompute instead
             self.counters.pulls_failed += 1
@@ -137,7 +137,9 @@ class Puller:
         own_store = store_id(self.node_id) if self.node_id else ""
         return pull_source(answer, self.replica_id, self.config.min_blocks, own_store)
 
-    def _export_handle(self) -> Any:
+    def handle(self) -> Any:
+        """This deployment's Serve handle (made at its first use), through which replicas
+        reach each other: pulls, and pushes (``replica.moves``)."""
         if self._handle is None:
             from ray import serve
 

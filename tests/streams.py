@@ -26,6 +26,7 @@ class Stream(threading.Thread):
         self.usage: dict | None = None
         self.replica = ""
         self.errors: list[dict] = []
+        self.logprobs: list[dict] = []  # each token's entry, when the body asks for them
 
     @property
     def text(self) -> str:
@@ -44,6 +45,8 @@ class Stream(threading.Thread):
                     self.usage = chunk["usage"]
                 elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                     self.pieces.append(chunk["choices"][0]["delta"]["content"])
+                    logprobs = chunk["choices"][0].get("logprobs") or {}
+                    self.logprobs += logprobs.get("content") or []
 
 
 def replica_pids(cluster: ServeCluster, count: int = 2) -> dict[str, int]:

@@ -13,6 +13,12 @@ RESUMES = Counter(
     "Requests sent again after their replica died, before their first token or mid-stream",
     ["when", "outcome"],
 )
+MOVES = Counter(
+    "prefix_serve_moved_requests",
+    "Streams a replica handed to another mid-request (replica.moves), by why and whether "
+    "their KV went with them (pushed) or the next replica recomputed it",
+    ["reason", "outcome"],
+)
 TTFT = Histogram(
     "prefix_serve_ttft_seconds",
     "Time from request to first token, at the ingress",

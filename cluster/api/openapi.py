@@ -52,6 +52,7 @@ _STATUSES = {
     ("get", "/metrics"): ("401", "500"),
     ("get", "/cluster/stats"): ("401", "500"),
     ("get", "/cluster/decisions"): ("400", "401", "500"),
+    ("post", "/cluster/replicas/{replica_id}/moves"): ("400", "401", "404", "500"),
     ("get", "/health"): ("500",),
     ("get", "/ready"): ("500", "503"),
 }

@@ -177,6 +177,27 @@ class Engine:
         self.metrics.num_aborted += 1
         return True
 
+    def movable(self) -> list[tuple[str, int]]:
+        """Requests another replica could continue (one choice each, not yet finished), with
+        the output tokens each has left, the most first (``replica.moves``)."""
+        left = [
+            (rid, seq.params.max_tokens - seq.num_output_tokens)
+            for rid, seq in self._seqs.items()
+            if rid == seq.parent_id and rid not in self._choices and seq.params.n == 1
+        ]
+        return sorted(left, key=lambda item: -item[1])
+
+    def detach(self, request_id: str) -> tuple[list[int], str | None] | None:
+        """Stop a movable request here and return its tokens (prompt and output so far) and
+        its salt: its full blocks stay cached, for an export (None: not movable)."""
+        seq = self._seqs.get(request_id)
+        if seq is None or request_id in self._choices or seq.params.n != 1:
+            return None
+        token_ids, salt = list(seq.token_ids), seq.cache_salt
+        self.abort_request(request_id)
+        self.metrics.num_aborted -= 1  # moved, not aborted
+        return token_ids, salt
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._seqs)
 

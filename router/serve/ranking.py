@@ -45,3 +45,37 @@ def routing_request(pending: PendingRequest | None) -> RoutingRequest | None:
         return None
     route = getattr(pending.args[0], "route", None)
     return route if isinstance(route, RoutingRequest) else None
+
+
+def _named(pending: PendingRequest | None, field: str) -> str | None:
+    if pending is None or not pending.args:
+        return None
+    value = getattr(pending.args[0], field, None)
+    return value if isinstance(value, str) else None
+
+
+def avoided(pending: PendingRequest | None) -> str | None:
+    """The replica a ``KVPush`` must not go to: its sender (None for anything else)."""
+    return _named(pending, "avoid_replica_id")
+
+
+def preferred(pending: PendingRequest | None) -> str | None:
+    """The replica a moved stream's continuation goes to first: the one its KV was pushed to
+    (``EngineRequest.prefer_replica_id``; None for anything else)."""
+    return _named(pending, "prefer_replica_id")
+
+
+def with_preferred(
+    ranking: Sequence[list[RunningReplica]], pending: PendingRequest | None
+) -> Sequence[list[RunningReplica]]:
+    """``ranking`` with the request's preferred replica (``preferred``) moved to the front
+    (unchanged without one, or if it is not there)."""
+    replica_id = preferred(pending)
+    if replica_id is None:
+        return ranking
+    ranks = [list(rank) for rank in ranking]
+    first = [r for rank in ranks for r in rank if r.replica_id.unique_id == replica_id]
+    if not first:
+        return ranking
+    rest = [[r for r in rank if r.replica_id.unique_id != replica_id] for rank in ranks]
+    return [first, *[rank for rank in rest if rank]]

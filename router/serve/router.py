@@ -45,7 +45,7 @@ from router.policies import cache_credits
 from router.recent_routes import RecentRoutes
 from router.serve import link
 from router.serve.queue_lengths import QueueLengths
-from router.serve.ranking import Ranked, pull_target, routing_request
+from router.serve.ranking import Ranked, avoided, pull_target, routing_request, with_preferred
 
 # Serve ids of requests whose completion came before their routing report, kept this long
 # (and at most this many): see ``on_request_completed``
@@ -102,11 +102,17 @@ class PrefixAwareRequestRouter(link.ServeLinked, RequestRouter):
         target = pull_target(pending_request)
         if target is not None:  # a replica pulling a prefix: that holder, or none (it waits)
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
+        avoid = avoided(pending_request)  # KV pushed by a replica: anywhere but back to it
+        if avoid is not None:
+            candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id != avoid]
+            if not candidate_replicas:
+                return []
         request = self.routing_request(pending_request)
         if request is None:  # not an EngineRequest (e.g. a health probe): any replica
             return [candidate_replicas]
         try:
-            return await self._ranked(candidate_replicas, request)
+            ranking = await self._ranked(candidate_replicas, request)
+            return with_preferred(ranking, pending_request)  # moved: where its KV went, first
         except Exception:  # a defect here must not hang the request: Serve would retry it
             # forever; it goes to any replica, and the defect is logged and counted
             routing_stats.ROUTING_ERRORS.inc()

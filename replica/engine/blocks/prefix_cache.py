@@ -132,6 +132,10 @@ class PrefixCache:
     def is_published(self, block_id: int) -> bool:
         return block_id in self._by_block
 
+    def published(self) -> list[CachedBlock]:
+        """Every published block (in use or not), in publishing order."""
+        return list(self._by_block.values())
+
     def cached_hashes(self) -> set[bytes]:
         """Every hash this cache holds (published blocks, in use or not)."""
         return set(self._by_hash)
