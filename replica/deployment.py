@@ -89,6 +89,10 @@ class EngineReplica:
             self.replica_id,
             self.args.moves,
         )
+        if self.args.moves.balance:  # live migration (``replica.balance``)
+            from replica.balance import Balancer
+
+            self.mover.balancer = Balancer(self.mover, self.puller.reader.replica_stats)
         atexit.register(self._leave_index)
         self.publisher.start()
 

@@ -10,9 +10,11 @@ recent first, until ``max_blocks`` are taken: what is evicted next here is hande
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from replica.engine.blocks.prefix_cache import CachedBlock
-from replica.engine.faces import KVHandle
+if TYPE_CHECKING:  # torch loads in the replica's process only
+    from replica.engine.blocks.prefix_cache import CachedBlock
+    from replica.engine.faces import KVHandle
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from contextvars import Context
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -131,9 +132,11 @@ class Mover:
         max_streams: int | None,
         reason: str,
         timeout_s: float | None = None,
+        decoding: bool = False,
     ) -> list[Move]:
-        """Move streams (longest remaining first, at most ``max_streams``) at once."""
-        movable = await self.run_on_engine(self.engine.movable)
+        """Move streams (longest remaining first, at most ``max_streams``; with
+        ``decoding``, only those past their first token) at once."""
+        movable = await self.run_on_engine(self.engine.movable, decoding)
         ids = [rid for rid, _ in movable if rid in self.streams][:max_streams]
         moves = await asyncio.gather(*(self.move(rid, to, reason, timeout_s) for rid in ids))
         return [m for m in moves if m is not None]
@@ -183,21 +186,18 @@ class Mover:
         route = None if to is not None else self._route(taken.token_ids, taken.cache_salt, key)
         push = KVPush(taken.token_ids, taken.cache_salt, taken.export, route, to, self.replica_id)
         wait = self.config.push_timeout_s if timeout_s is None else timeout_s
-        try:  # a task of its own: its own Serve call (see ``_as_own_call``)
-            return await asyncio.get_running_loop().create_task(self._as_own_call(push, wait))
+        # A call made while serving a request carries that request's internal id, by which
+        # Serve's router matches a replica to a pending call: several pushes of one order (or
+        # one leave) would take each other's place, and all but one never be sent. A task
+        # in an empty context makes each a call of its own, with an id of its own.
+        call = self._call(push, wait)
+        try:
+            return await asyncio.get_running_loop().create_task(call, context=Context())
         except Exception as exc:  # dead, late or refusing: the next replica recomputes
             log.warning("pushing %s's KV failed: %s", key, type(exc).__name__)
             return None
 
-    async def _as_own_call(self, push: KVPush, wait: float) -> str:
-        """``accept_kv`` as a Serve call of its own. A call made while serving a request
-        carries that request's internal id, by which Serve's router matches a replica to a
-        pending call: several pushes of one order (or of one leave) would take each other's
-        place, and all but one never be sent. A fresh request context (this task's own
-        copy) makes Serve give each its own id."""
-        from ray.serve import context as serve_context
-
-        serve_context._serve_request_context.set(serve_context._RequestContext())
+    async def _call(self, push: KVPush, wait: float) -> str:
         return str(await asyncio.wait_for(self.handle().accept_kv.remote(push), wait))
 
     def _route(self, token_ids: list[int], salt: str | None, key: str) -> RoutingRequest:

@@ -82,6 +82,16 @@ _REPLICA_KEYS = (
     "index_dropped_batches",
     "index_overflows",
     "index_resyncs",
+    # streams and hot prefixes handed to other replicas (replica.moves)
+    "moves",
+    "moves_failed",
+    "moved_blocks",
+    "moved_bytes",
+    "move_seconds",
+    "moves_received",
+    "received_blocks",
+    "handoff_prefixes",
+    "handoff_blocks",
 )
 REPLICA_GAUGES = {
     key: Gauge(f"prefix_serve_replica_{key}", f"Engine replica {key} (routing stats)", ["replica"])

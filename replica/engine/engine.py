@@ -177,13 +177,15 @@ class Engine:
         self.metrics.num_aborted += 1
         return True
 
-    def movable(self) -> list[tuple[str, int]]:
-        """Requests another replica could continue (one choice each, not yet finished), with
-        the output tokens each has left, the most first (``replica.moves``)."""
+    def movable(self, decoding: bool = False) -> list[tuple[str, int]]:
+        """Requests another replica could continue (one choice each, not yet finished; with
+        ``decoding``, only those past their first token), with the output tokens each has
+        left, the most first (``replica.moves``)."""
         left = [
             (rid, seq.params.max_tokens - seq.num_output_tokens)
             for rid, seq in self._seqs.items()
             if rid == seq.parent_id and rid not in self._choices and seq.params.n == 1
+            if not decoding or seq.num_output_tokens > 0
         ]
         return sorted(left, key=lambda item: -item[1])
 
