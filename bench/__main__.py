@@ -14,6 +14,7 @@ from bench.experiments import (
     faults,
     index,
     kv_shares,
+    moves,
     routing,
     scheduling,
     sessions,
@@ -45,6 +46,7 @@ EXPERIMENTS = {
     "kv_shares": (kv_shares, "a tenant's flood against another's prefixes: KV shares or not"),
     "sessions": (sessions, "agent sessions: a session's blocks kept across tool calls or not"),
     "tracing": (tracing, "tracing off vs on at ratio 1.0: throughput, TTFT, spans per request"),
+    "moves": (moves, "streams moved off leaving or busy replicas against today's drain"),
     "faults": (faults, "fault, overload and soak scenarios with a JSON and Markdown report"),
 }
 

@@ -205,7 +205,11 @@ def render(path: Path, name: str | None = None) -> str:
     """The table of the run kept at ``path`` (cited as ``name``, else the path as given),
     and the line naming what it measured."""
     run = json.loads(path.read_text())
-    if run.get("experiment") == "tracing":
+    if run.get("experiment") == "moves":
+        from bench.experiments.moves_report import moves_table
+
+        table = moves_table(run)
+    elif run.get("experiment") == "tracing":
         table = tracing_table(run)
     elif run.get("experiment") == "speculation":
         table = speculation_table(run) if "summary" in run else speculation_cluster_table(run)

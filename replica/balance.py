@@ -1,10 +1,11 @@
-"""Live migration: a replica with prompts waiting hands running decodes to a replica that
-could run them now (``moves.balance``), when the move pays.
+"""Live migration: a busy replica hands running decodes to a replica that could run them
+sooner (``moves.balance``), when the move pays.
 
 Every ``balance_period_s`` a replica compares itself with the others' latest stats (their
-heartbeats in the index, ``IndexReader.replica_stats``). It acts only when prompts wait here
-(``num_waiting`` > 0: work this replica cannot start yet) and some replica has none waiting
-and fewer sequences running; it moves the decodes with the most output left first, at most
+heartbeats in the index, ``IndexReader.replica_stats``). It acts when some replica has no
+prompt waiting and runs at least two sequences fewer than this one (prompts queued here, or
+decodes that a hot prefix's affinity piled up here, wait on each step's length, which grows
+with what runs in it); it moves the decodes with the most output left first, at most
 half the difference in running sequences (so the two end no further apart than one, and no
 move is undone by the next look), and only decodes with at least ``min_remaining_tokens``
 left.
@@ -45,7 +46,6 @@ class Peer:
 
 def plan(
     running: int,
-    waiting: int,
     remaining: list[int],
     peers: list[Peer],
     step_s: float,
@@ -54,7 +54,7 @@ def plan(
 ) -> tuple[str, int] | None:
     """Which peer takes how many of this replica's decodes (``remaining``: output tokens
     left of each, most first), or None: see the module. Pure: what the tests drive."""
-    if waiting <= 0 or running <= 1 or step_s <= 0:
+    if running <= 1 or step_s <= 0:
         return None
     idle = [p for p in peers if p.waiting == 0 and p.running + 1 < running]
     if not idle:
@@ -85,8 +85,8 @@ class Balancer:
         steps, now = engine.metrics.steps, time.monotonic()
         (before, then), self._steps = self._steps, (steps, now)
         scheduler = engine.scheduler
-        running, waiting = len(scheduler.running), len(scheduler.waiting)
-        if waiting == 0 or steps == before:
+        running = len(scheduler.running)
+        if running <= 1 or steps == before:  # nothing to share, or no step to time
             return
         stats = await asyncio.to_thread(self.replica_stats)
         peers = [
@@ -98,9 +98,7 @@ class Balancer:
         move_s = counters.move_seconds / counters.moves if counters.moves else FIRST_MOVE_S
         remaining = [left for _, left in await mover.run_on_engine(engine.movable, True)]
         step_s = (now - then) / (steps - before)
-        chosen = plan(
-            running, waiting, remaining, peers, step_s, move_s, mover.config.min_remaining_tokens
-        )
+        chosen = plan(running, remaining, peers, step_s, move_s, mover.config.min_remaining_tokens)
         if chosen is None:
             return
         peer, count = chosen

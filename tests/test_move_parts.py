@@ -102,14 +102,14 @@ PEERS = [Peer("idle", 1, 0, 1.0), Peer("busy", 9, 2, 1.0)]
 
 def test_the_plan_moves_half_the_difference_to_an_idle_peer_when_it_pays() -> None:
     remaining = [300, 200, 150, 100, 60, 20]
-    assert plan(9, 2, remaining, PEERS, 0.09, 0.05, 32) == ("idle", 4)  # (9 - 1) // 2
-    assert plan(9, 0, remaining, PEERS, 0.09, 0.05, 32) is None  # nothing waits here
-    assert plan(9, 2, remaining, PEERS[1:], 0.09, 0.05, 32) is None  # nobody idle
-    assert plan(3, 2, remaining, PEERS, 0.09, 0.05, 32) == ("idle", 1)
-    assert plan(2, 2, remaining, PEERS, 0.09, 0.05, 32) is None  # one apart is balanced
+    assert plan(9, remaining, PEERS, 0.09, 0.05, 32) == ("idle", 4)  # (9 - 1) // 2
+    assert plan(9, remaining, PEERS[1:], 0.09, 0.05, 32) is None  # nobody idle
+    assert plan(3, remaining, PEERS, 0.09, 0.05, 32) == ("idle", 1)
+    assert plan(2, remaining, PEERS, 0.09, 0.05, 32) is None  # one apart is balanced
+    assert plan(9, remaining, [Peer("idle", 1, 1, 1.0)], 0.09, 0.05, 32) is None  # it queues
     # 0.01 s a sequence a step: the first move saves 300 tokens * 0.01 s * (9 - 2) = 21 s,
     # the second 200 * 0.01 s * (8 - 3) = 10 s; and none has fewer than 32 tokens left
-    assert plan(9, 2, [300, 20, 10], PEERS, 0.09, 2.0, 32) == ("idle", 1)
-    assert plan(9, 2, [300, 200], PEERS, 0.09, 9.0, 32) == ("idle", 2)
-    assert plan(9, 2, [300, 200], PEERS, 0.09, 20.0, 32) == ("idle", 1)
-    assert plan(9, 2, [300, 200], PEERS, 0.09, 25.0, 32) is None
+    assert plan(9, [300, 20, 10], PEERS, 0.09, 2.0, 32) == ("idle", 1)
+    assert plan(9, [300, 200], PEERS, 0.09, 9.0, 32) == ("idle", 2)
+    assert plan(9, [300, 200], PEERS, 0.09, 20.0, 32) == ("idle", 1)
+    assert plan(9, [300, 200], PEERS, 0.09, 25.0, 32) is None

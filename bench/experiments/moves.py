@@ -1,0 +1,268 @@
+"""``moves``: replicas that leave or are too busy hand their streams on (``replica.moves``),
+against today's drain, on the real cluster (SmolLM2, Redis, the ingress over HTTP).
+
+Three scenarios, each run once with moves on and once off (``moves.enabled`` false: a
+stopping replica finishes its streams, up to ``drain_timeout_s``), on a fresh cluster each:
+
+* ``scale_in``: 3 replicas under the multi_turn trace at ``--rate``; at ``--event-at-s``
+  (with the streams then in flight counted) the deployment is scaled to 1 replica; the load
+  drops to ``--after-rate``. Measured: how long from the ``serve deploy`` until Serve runs
+  one replica and nothing is stopping, failed requests, and the hit rate of the requests
+  that arrived in the ``--window-s`` before the event and in the window after it ended.
+* ``redeploy``: 2 replicas under the multi_tenant trace; at ``--event-at-s`` every engine
+  replica is replaced (a new environment variable: Serve's rolling update). The same
+  measures.
+* ``balance``: the hot-tenant trace (8 tenants, Zipf 2.0) with long outputs on 2 replicas,
+  live migration (``moves.balance``) on against off: TTFT and end-to-end p50/p99, hit rate,
+  streams moved.
+
+Every number names the host's CPU and the commit (``bench.report``). JSON, and a Markdown
+table per scenario (``bench.experiments.moves_report``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.experiments.moves_report import markdown, window_hit_rate
+from bench.harness.launcher import ServeCluster
+from bench.harness.redis_server import LocalRedis
+from bench.harness.scenario import counts
+from bench.loadgen import RequestResult, drive, warm_up
+from bench.peers.host import provenance
+from bench.workloads import TraceRequest, WorkloadSpec, make_trace
+from cluster.config import ClusterArgs
+from kvindex.config import IndexConfig
+from kvindex.measure import percentile
+from replica.checkpoints import SMOLLM2
+from replica.config import EngineConfig
+from replica.move_config import MoveConfig
+
+SCENARIOS = ("scale_in", "redeploy", "balance")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--model", default=SMOLLM2)
+    parser.add_argument("--rate", type=float, default=1.2, help="arrivals/s before the event")
+    parser.add_argument("--after-rate", type=float, default=0.3, help="scale_in: after it")
+    parser.add_argument("--event-at-s", type=float, default=60.0)
+    parser.add_argument("--window-s", type=float, default=60.0)
+    parser.add_argument("--output-tokens", default="128,384", help="min,max per request")
+    parser.add_argument("--balance-requests", type=int, default=120)
+    parser.add_argument("--balance-rate", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=7)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "experiment": "moves",
+        "provenance": provenance(),
+        "conditions": _args(args),
+    }
+    with LocalRedis() as redis_server:
+        for scenario in args.scenarios.split(","):
+            result[scenario] = {
+                mode: SCENARIO_RUNS[scenario](args, redis_server.url, on)
+                for mode, on in (("moves", True), ("drain", False))
+            }
+    out = args.out or Path("results/moves.json")
+    if out.suffix == ".json":
+        out.with_suffix(".md").write_text(markdown(result))
+    return result
+
+
+def _args(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k != "out"}
+
+
+def cluster_args(
+    args: argparse.Namespace, url: str, replicas: int, moves: MoveConfig, name: str
+) -> ClusterArgs:
+    return ClusterArgs(
+        num_replicas=replicas,
+        replica_num_cpus=0.5,
+        max_ongoing_requests=32,
+        engine=EngineConfig(model=args.model, num_threads=1, num_blocks=1024),
+        index=IndexConfig(url=url, cluster=name),
+        moves=moves,
+        drain_timeout_s=300.0,
+    )
+
+
+def _trace(
+    args: argparse.Namespace, workload: str, phases: list[tuple[float, float]], **kw: Any
+) -> list[TraceRequest]:
+    """``workload`` in phases of constant rate (seconds, rate)."""
+    low, high = (int(x) for x in args.output_tokens.split(","))
+    trace: list[TraceRequest] = []
+    start = 0.0
+    for k, (seconds, rate) in enumerate(phases):
+        spec = WorkloadSpec(
+            workload,
+            num_requests=max(1, int(seconds * rate)),
+            rate=rate,
+            seed=args.seed + k,
+            output_tokens=(low, high),
+            **kw,
+        )
+        trace += [
+            replace(r, request_id=f"p{k}-{r.request_id}", arrival_s=start + r.arrival_s)
+            for r in make_trace(spec)
+            if r.arrival_s < seconds
+        ]
+        start += seconds
+    return trace
+
+
+def scale_in(args: argparse.Namespace, url: str, on: bool) -> dict[str, Any]:
+    rest = 2 * args.window_s
+    phases = [(args.event_at_s, args.rate), (rest, args.after_rate)]
+    trace = _trace(args, "multi_turn", phases, conversations=24)
+    config = cluster_args(args, url, 3, MoveConfig(enabled=on), f"scale-in-{on}")
+    return _with_event(config, trace, args, lambda c: c.scale(1), expect=1)
+
+
+def redeploy(args: argparse.Namespace, url: str, on: bool) -> dict[str, Any]:
+    phases = [(args.event_at_s + 3 * args.window_s, args.rate)]  # the roll takes a while
+    trace = _trace(args, "multi_tenant", phases, tenants=12, zipf=0.8)
+    config = cluster_args(args, url, 2, MoveConfig(enabled=on), f"redeploy-{on}")
+
+    def roll(cluster: ServeCluster) -> None:
+        options = {
+            "num_cpus": config.replica_num_cpus,
+            "runtime_env": {"env_vars": {"PREFIX_SERVE_ENGINE_GENERATION": "1"}},
+        }
+        cluster._redeploy([{"name": "EngineReplica", "ray_actor_options": options}], 300)
+
+    return _with_event(config, trace, args, roll, expect=2, replaced=True)
+
+
+def _with_event(
+    config: ClusterArgs,
+    trace: list[TraceRequest],
+    args: argparse.Namespace,
+    event: Callable[[ServeCluster], None],
+    expect: int,
+    replaced: bool = False,
+) -> dict[str, Any]:
+    """Drive ``trace``; at ``event_at_s`` run ``event`` and time it until Serve runs
+    ``expect`` replicas (all new ones when ``replaced``) and none is stopping."""
+    with ServeCluster(config, dashboard=True) as cluster:
+        warm_up(cluster.base_url, config.engine.model_id, config.num_replicas, 300)
+        before = _replica_ids(cluster)
+        done = [0]
+        results: list[list[RequestResult]] = []
+        driver = threading.Thread(
+            target=lambda: results.append(
+                drive(cluster.base_url, config.engine.model_id, trace, 900, _counter(done))[0]
+            )
+        )
+        start = time.monotonic()
+        driver.start()
+        time.sleep(max(0.0, start + args.event_at_s - time.monotonic()))
+        in_flight = sum(r.arrival_s <= args.event_at_s for r in trace) - done[0]
+        t0 = time.monotonic()
+        event(cluster)
+        deployed = time.monotonic() - t0
+        ended = _wait_settled(cluster, expect, before if replaced else set())
+        seconds = ended - t0
+        driver.join()
+        moved = _moved(cluster)
+    (res,) = results
+    event_s, end_s = t0 - start, ended - start
+    return {
+        "requests": counts(res, len(trace)),
+        "in_flight_at_event": in_flight,
+        "event_s": seconds,
+        "deploy_call_s": deployed,
+        "hit_before": window_hit_rate(trace, res, event_s - args.window_s, event_s),
+        "hit_after": window_hit_rate(trace, res, end_s, end_s + args.window_s),
+        "moved": moved,
+    }
+
+
+def _counter(done: list[int]) -> Callable[[int, int], None]:
+    def on_done(n: int, _total: int) -> None:
+        done[0] = n
+
+    return on_done
+
+
+def _serve_replicas(cluster: ServeCluster) -> list[dict[str, Any]]:
+    apps = httpx.get(f"{cluster.dashboard_url()}/api/serve/applications/", timeout=5).json()
+    return apps["applications"]["llm"]["deployments"]["EngineReplica"].get("replicas", [])
+
+
+def _replica_ids(cluster: ServeCluster) -> set[str]:
+    return {r["replica_id"] for r in _serve_replicas(cluster)}
+
+
+def _wait_settled(cluster: ServeCluster, expect: int, old: set[str]) -> float:
+    """When Serve runs ``expect`` replicas, none of ``old``, and none is stopping."""
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        try:
+            replicas = _serve_replicas(cluster)
+        except (httpx.HTTPError, KeyError, ValueError):
+            replicas = None
+        if replicas is not None:
+            states = [r.get("state") for r in replicas]
+            ids = {r["replica_id"] for r in replicas}
+            if states == ["RUNNING"] * expect and not ids & old:
+                return time.monotonic()
+        time.sleep(0.1)
+    raise TimeoutError("the deployment did not settle")
+
+
+def _moved(cluster: ServeCluster) -> dict[str, float]:
+    """The ingress's moved-stream counters by reason and outcome."""
+    text = httpx.get(f"{cluster.base_url}/metrics", timeout=10).text
+    moved: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("prefix_serve_moved_requests_total{"):
+            labels = line[line.index("{") + 1 : line.index("}")]
+            parts = dict(p.split("=") for p in labels.split(","))
+            key = f"{parts['reason'].strip(chr(34))}:{parts['outcome'].strip(chr(34))}"
+            moved[key] = moved.get(key, 0.0) + float(line.split()[-1])
+    return moved
+
+
+def balance(args: argparse.Namespace, url: str, on: bool) -> dict[str, Any]:
+    spec = WorkloadSpec(
+        "multi_tenant",
+        num_requests=args.balance_requests,
+        rate=args.balance_rate,
+        seed=args.seed,
+        tenants=8,
+        zipf=2.0,
+        output_tokens=tuple(int(x) for x in args.output_tokens.split(",")),  # type: ignore[arg-type]
+    )
+    trace = make_trace(spec)
+    config = cluster_args(args, url, 2, MoveConfig(balance=on), f"balance-{on}")
+    with ServeCluster(config) as cluster:
+        warm_up(cluster.base_url, config.engine.model_id, 2, 300)
+        res, makespan = drive(cluster.base_url, config.engine.model_id, trace, 900)
+        moved = _moved(cluster)
+    ok = [r for r in res if r.status == 200 and r.error is None]
+    prompt = sum(r.prompt_tokens for r in ok)
+    e2e = [r.latency_s for r in ok if r.latency_s is not None]
+    return {
+        **counts(res, len(trace)),
+        "e2e_p50_s": percentile(e2e, 50),
+        "e2e_p99_s": percentile(e2e, 99),
+        "hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else None,
+        "makespan_s": makespan,
+        "moved": moved,
+    }
+
+
+SCENARIO_RUNS = {"scale_in": scale_in, "redeploy": redeploy, "balance": balance}
