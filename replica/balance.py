@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from replica.moves import Mover
 
 FIRST_MOVE_S = 0.05  # what a move is taken to cost before this replica has made one
-MAX_PER_LOOK = 8  # decodes moved at most per look
+MAX_PER_LOOK = 4  # decodes moved at most per look (each push's copy holds up a step)
 
 
 @dataclass(frozen=True)

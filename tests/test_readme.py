@@ -13,6 +13,7 @@ from bench.__main__ import EXPERIMENTS
 from cluster.config import Autoscaling, ClusterArgs
 from kvindex.config import IndexConfig
 from replica.config import EngineConfig
+from replica.move_config import MoveConfig
 from replica.store.config import StoreConfig
 from router.config import SECTIONS
 
@@ -36,6 +37,7 @@ def test_every_configuration_field_is_documented() -> None:
         *SECTIONS,
         IndexConfig,
         StoreConfig,
+        MoveConfig,
     ]
     missing = [
         f"{model.__name__}.{name}"

@@ -59,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-tokens", default="128,384", help="min,max per request")
     parser.add_argument("--balance-requests", type=int, default=120)
     parser.add_argument("--balance-rate", type=float, default=1.0)
+    parser.add_argument("--balance-repeats", type=int, default=2, help="ABBA pairs")
     parser.add_argument("--seed", type=int, default=7)
 
 
@@ -70,6 +71,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     with LocalRedis() as redis_server:
         for scenario in args.scenarios.split(","):
+            if scenario == "balance":
+                result[scenario] = balance_pairs(args, redis_server.url)
+                continue
             result[scenario] = {
                 mode: SCENARIO_RUNS[scenario](args, redis_server.url, on)
                 for mode, on in (("moves", True), ("drain", False))
@@ -177,6 +181,7 @@ def _with_event(
         seconds = ended - t0
         driver.join()
         moved = _moved(cluster)
+        taken = [r.get("received_blocks", 0) for r in cluster.stats()["replicas"].values()]
     (res,) = results
     event_s, end_s = t0 - start, ended - start
     return {
@@ -187,6 +192,7 @@ def _with_event(
         "hit_before": window_hit_rate(trace, res, event_s - args.window_s, event_s),
         "hit_after": window_hit_rate(trace, res, end_s, end_s + args.window_s),
         "moved": moved,
+        "received_blocks": sum(taken),  # by the replicas left: moved streams' and prefixes'
     }
 
 
@@ -236,7 +242,34 @@ def _moved(cluster: ServeCluster) -> dict[str, float]:
     return moved
 
 
-def balance(args: argparse.Namespace, url: str, on: bool) -> dict[str, Any]:
+def balance_pairs(args: argparse.Namespace, url: str) -> dict[str, Any]:
+    """Live migration on and off, ABBA over ``--balance-repeats`` pairs: every run, the
+    medians, and each pair's on / off ratio of the p99s."""
+    order = [
+        m
+        for k in range(args.balance_repeats)
+        for m in (("moves", "drain"), ("drain", "moves"))[k % 2]
+    ]
+    runs: dict[str, list[dict[str, Any]]] = {"moves": [], "drain": []}
+    for k, mode in enumerate(order):
+        runs[mode].append(balance(args, url, mode == "moves", k))
+    keys = ("ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s", "hit_rate", "failed")
+    result: dict[str, Any] = {"runs": runs}
+    for mode, rows in runs.items():
+        result[mode] = {key: percentile([r[key] for r in rows], 50) for key in keys}
+        moved: dict[str, float] = {}
+        for r in rows:
+            for key, count in r["moved"].items():
+                moved[key] = moved.get(key, 0.0) + count
+        result[mode]["moved"] = moved
+    result["ratios"] = {
+        key: [on[key] / off[key] for on, off in zip(runs["moves"], runs["drain"], strict=True)]
+        for key in ("ttft_p99_s", "e2e_p99_s")
+    }
+    return result
+
+
+def balance(args: argparse.Namespace, url: str, on: bool, k: int = 0) -> dict[str, Any]:
     spec = WorkloadSpec(
         "multi_tenant",
         num_requests=args.balance_requests,
@@ -247,7 +280,7 @@ def balance(args: argparse.Namespace, url: str, on: bool) -> dict[str, Any]:
         output_tokens=tuple(int(x) for x in args.output_tokens.split(",")),  # type: ignore[arg-type]
     )
     trace = make_trace(spec)
-    config = cluster_args(args, url, 2, MoveConfig(balance=on), f"balance-{on}")
+    config = cluster_args(args, url, 2, MoveConfig(balance=on), f"balance-{on}-{k}")
     with ServeCluster(config) as cluster:
         warm_up(cluster.base_url, config.engine.model_id, 2, 300)
         res, makespan = drive(cluster.base_url, config.engine.model_id, trace, 900)

@@ -178,6 +178,10 @@
         ["in flight", now.in_flight], ["prompt tokens", now.prompt_tokens],
         ["cached", now.cached_prompt_tokens], ["hit rate", hit], ["pulls", now.pulls],
         ["pulled blocks", now.pulled_blocks],
+        ["streams moved out", now.moves], ["moves failed", now.moves_failed],
+        ["moved MB", typeof now.moved_bytes === "number" ?
+          (now.moved_bytes / 2 ** 20).toFixed(1) : null],
+        ["pushes taken", now.moves_received],
       ]);
     }
   }
