@@ -52,11 +52,12 @@ SCENARIOS = ("scale_in", "redeploy", "balance")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--model", default=SMOLLM2)
-    parser.add_argument("--rate", type=float, default=1.2, help="arrivals/s before the event")
-    parser.add_argument("--after-rate", type=float, default=0.3, help="scale_in: after it")
+    parser.add_argument("--rate", type=float, default=1.0, help="scale_in: arrivals/s before")
+    parser.add_argument("--after-rate", type=float, default=0.2, help="scale_in: after it")
+    parser.add_argument("--redeploy-rate", type=float, default=0.6)
     parser.add_argument("--event-at-s", type=float, default=60.0)
     parser.add_argument("--window-s", type=float, default=60.0)
-    parser.add_argument("--output-tokens", default="128,384", help="min,max per request")
+    parser.add_argument("--output-tokens", default="256,768", help="min,max per request")
     parser.add_argument("--balance-requests", type=int, default=120)
     parser.add_argument("--balance-rate", type=float, default=1.0)
     parser.add_argument("--balance-repeats", type=int, default=2, help="ABBA pairs")
@@ -136,7 +137,7 @@ def scale_in(args: argparse.Namespace, url: str, on: bool) -> dict[str, Any]:
 
 
 def redeploy(args: argparse.Namespace, url: str, on: bool) -> dict[str, Any]:
-    phases = [(args.event_at_s + 3 * args.window_s, args.rate)]  # the roll takes a while
+    phases = [(args.event_at_s + 3 * args.window_s, args.redeploy_rate)]  # the roll takes a while
     trace = _trace(args, "multi_tenant", phases, tenants=12, zipf=0.8)
     config = cluster_args(args, url, 2, MoveConfig(enabled=on), f"redeploy-{on}")
 

@@ -58,17 +58,22 @@ def event_rows(run: dict[str, Any], scenario: str, label: str, reason: str) -> l
 
 
 def moves_table(run: dict[str, Any]) -> str:
-    lines = [
-        "| scenario | streams in flight | event to settled | failed | hit rate before "
-        "| hit rate after | streams moved |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+    events = [
         *event_rows(run, "scale_in", "scale-in 3 -> 1, multi_turn", "leaving"),
         *event_rows(run, "redeploy", "rolling redeploy of 2, multi_tenant", "leaving"),
     ]
+    lines = []
+    if events:
+        lines = [
+            "| scenario | streams in flight | event to settled | failed | hit rate before "
+            "| hit rate after | streams moved |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+            *events,
+        ]
     balance = run.get("balance")
     if balance:
+        lines += [""] if lines else []
         lines += [
-            "",
             "| hot tenant, long outputs | TTFT p50 s | TTFT p99 s | e2e p50 s | e2e p99 s "
             "| hit rate | failed | streams moved |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -80,7 +85,7 @@ def moves_table(run: dict[str, Any]) -> str:
             lines.append(
                 f"| {label} | {_f(r['ttft_p50_s'])} | {_f(r['ttft_p99_s'])} "
                 f"| {_f(r['e2e_p50_s'])} | {_f(r['e2e_p99_s'])} | {_f(r['hit_rate'], '.3f')} "
-                f"| {r['failed']} | {_moved(r['moved'], 'balance')} |"
+                f"| {r['failed']:.0f} | {_moved(r['moved'], 'balance')} |"
             )
         ratios = balance["ratios"]
         lines.append(
