@@ -16,7 +16,7 @@ stopping replica finishes its streams, up to ``drain_timeout_s``), on a fresh cl
   live migration (``moves.balance``) on against off: TTFT and end-to-end p50/p99, hit rate,
   streams moved.
 
-Every number names the host's CPU and the commit (``bench.report``). JSON, and a Markdown
+Every number names the host's CPU and the commit (``bench.peers.host``). JSON, and a Markdown
 table per scenario (``bench.experiments.moves_report``).
 """
 
@@ -30,12 +30,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from bench.experiments.moves_report import markdown, window_hit_rate
 from bench.harness.launcher import ServeCluster
 from bench.harness.redis_server import LocalRedis
 from bench.harness.scenario import counts
+from bench.harness.serve_state import moved_counts, replica_ids, wait_settled
 from bench.loadgen import RequestResult, drive, warm_up
 from bench.peers.host import provenance
 from bench.workloads import TraceRequest, WorkloadSpec, make_trace
@@ -163,7 +162,7 @@ def _with_event(
     ``expect`` replicas (all new ones when ``replaced``) and none is stopping."""
     with ServeCluster(config, dashboard=True) as cluster:
         warm_up(cluster.base_url, config.engine.model_id, config.num_replicas, 300)
-        before = _replica_ids(cluster)
+        before = replica_ids(cluster)
         done = [0]
         results: list[list[RequestResult]] = []
         driver = threading.Thread(
@@ -178,10 +177,10 @@ def _with_event(
         t0 = time.monotonic()
         event(cluster)
         deployed = time.monotonic() - t0
-        ended = _wait_settled(cluster, expect, before if replaced else set())
+        ended = wait_settled(cluster, expect, before if replaced else set())
         seconds = ended - t0
         driver.join()
-        moved = _moved(cluster)
+        moved = moved_counts(cluster)
         taken = [r.get("received_blocks", 0) for r in cluster.stats()["replicas"].values()]
     (res,) = results
     event_s, end_s = t0 - start, ended - start
@@ -202,45 +201,6 @@ def _counter(done: list[int]) -> Callable[[int, int], None]:
         done[0] = n
 
     return on_done
-
-
-def _serve_replicas(cluster: ServeCluster) -> list[dict[str, Any]]:
-    apps = httpx.get(f"{cluster.dashboard_url()}/api/serve/applications/", timeout=5).json()
-    return apps["applications"]["llm"]["deployments"]["EngineReplica"].get("replicas", [])
-
-
-def _replica_ids(cluster: ServeCluster) -> set[str]:
-    return {r["replica_id"] for r in _serve_replicas(cluster)}
-
-
-def _wait_settled(cluster: ServeCluster, expect: int, old: set[str]) -> float:
-    """When Serve runs ``expect`` replicas, none of ``old``, and none is stopping."""
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        try:
-            replicas = _serve_replicas(cluster)
-        except (httpx.HTTPError, KeyError, ValueError):
-            replicas = None
-        if replicas is not None:
-            states = [r.get("state") for r in replicas]
-            ids = {r["replica_id"] for r in replicas}
-            if states == ["RUNNING"] * expect and not ids & old:
-                return time.monotonic()
-        time.sleep(0.1)
-    raise TimeoutError("the deployment did not settle")
-
-
-def _moved(cluster: ServeCluster) -> dict[str, float]:
-    """The ingress's moved-stream counters by reason and outcome."""
-    text = httpx.get(f"{cluster.base_url}/metrics", timeout=10).text
-    moved: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("prefix_serve_moved_requests_total{"):
-            labels = line[line.index("{") + 1 : line.index("}")]
-            parts = dict(p.split("=") for p in labels.split(","))
-            key = f"{parts['reason'].strip(chr(34))}:{parts['outcome'].strip(chr(34))}"
-            moved[key] = moved.get(key, 0.0) + float(line.split()[-1])
-    return moved
 
 
 def balance_pairs(args: argparse.Namespace, url: str) -> dict[str, Any]:
@@ -285,7 +245,7 @@ def balance(args: argparse.Namespace, url: str, on: bool, k: int = 0) -> dict[st
     with ServeCluster(config) as cluster:
         warm_up(cluster.base_url, config.engine.model_id, 2, 300)
         res, makespan = drive(cluster.base_url, config.engine.model_id, trace, 900)
-        moved = _moved(cluster)
+        moved = moved_counts(cluster)
     ok = [r for r in res if r.status == 200 and r.error is None]
     prompt = sum(r.prompt_tokens for r in ok)
     e2e = [r.latency_s for r in ok if r.latency_s is not None]
