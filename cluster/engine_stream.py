@@ -51,7 +51,6 @@ class EngineStream:
     ) -> None:
         self.request = request
         self.resumes = 0
-        self.moves = 0  # times a replica handed it on (``replica.moves``): not failures
         self._engine = engine
         self._rehash = rehash  # a block chain under a salt: BlockHasher.chain
         self._max_resumes = max_resumes
@@ -190,7 +189,6 @@ class EngineStream:
             self._call.set_attribute("prefix_serve.replica", chunk.replica_id)
             self._call.set_attribute("prefix_serve.moved", f"{move.reason}:{outcome}")
             self._call.set_attribute("prefix_serve.moved_tokens", move.tokens)
-        self.moves += 1
         return replace(self._continuation(), prefer_replica_id=move.target)
 
     def _continuation(self) -> EngineRequest:

@@ -156,7 +156,7 @@ class Mover:
         target = await self._push(taken, to, request_id, timeout_s)
         c = self.counters
         c.moves += 1
-        c.moves_failed += target is None
+        c.moves_failed += target is None and (to is not None or bool(taken.export.blocks))
         c.moved_blocks += len(taken.export.blocks)
         c.moved_bytes += taken.export.num_bytes
         seconds = time.monotonic() - started

@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -60,26 +61,65 @@ def replica_pids(cluster: ServeCluster, count: int = 2) -> dict[str, int]:
         time.sleep(0.2)
 
 
+def chat_bodies(
+    model: str, system: str, questions: list[str], sampling: list[dict[str, Any]], **fields: Any
+) -> list[dict[str, Any]]:
+    """One chat per question under one system prompt, each with its sampling and ``fields``
+    (``max_tokens``, ``logprobs``...): output of a set length (``ignore_eos``)."""
+    return [
+        {
+            "model": model,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}],
+            "ignore_eos": True,
+            **fields,
+            **sample,
+        }
+        for q, sample in zip(questions, sampling, strict=True)
+    ]
+
+
+def streams_with(
+    cluster: ServeCluster,
+    bodies: list[dict[str, Any]],
+    act: Callable[[list[Stream]], None] | None = None,
+    min_pieces: int = 5,
+) -> list[Stream]:
+    """Send every body at once; ``act(streams)`` once each has ``min_pieces`` pieces (all
+    mid-generation). Returns the finished streams."""
+    streams = [Stream(cluster.base_url, body) for body in bodies]
+    for s in streams:
+        s.start()
+    if act is not None:
+        deadline = time.monotonic() + 120
+        while min(len(s.pieces) for s in streams) < min_pieces:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        act(streams)
+    for s in streams:
+        s.join(300)
+    return streams
+
+
+def busiest(streams: list[Stream]) -> str:
+    """The replica serving most of ``streams``."""
+    replicas = [s.replica for s in streams]
+    return max(set(replicas), key=replicas.count)
+
+
 def run_streams(
     cluster: ServeCluster, bodies: list[dict[str, Any]], kill: bool, min_pieces: int = 5
 ) -> tuple[list[Stream], str | None]:
     """Send every body at once; with ``kill``, SIGKILL the replica serving most of them once
     every stream has ``min_pieces`` pieces. Returns the finished streams and the victim."""
     pids = replica_pids(cluster)
-    streams = [Stream(cluster.base_url, body) for body in bodies]
-    for s in streams:
-        s.start()
-    victim = None
-    if kill:
-        deadline = time.monotonic() + 120
-        while min(len(s.pieces) for s in streams) < min_pieces:  # all mid-generation
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
-        victim = max(set(pids), key=lambda rid: sum(s.replica == rid for s in streams))
-        os.kill(pids[victim], signal.SIGKILL)
-    for s in streams:
-        s.join(300)
-    return streams, victim
+    victims: list[str] = []
+
+    def sigkill(streams: list[Stream]) -> None:
+        victims.append(max(set(pids), key=lambda rid: sum(s.replica == rid for s in streams)))
+        os.kill(pids[victims[0]], signal.SIGKILL)
+
+    streams = streams_with(cluster, bodies, sigkill if kill else None, min_pieces)
+    return streams, victims[0] if victims else None
 
 
 def resumed(cluster: ServeCluster) -> float:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 from conftest import keep_logs, tiny
-from streams import resumed, run_streams
+from streams import chat_bodies, resumed, run_streams
 from test_serve_e2e import assert_no_leaked_blocks
 
 from bench.harness.launcher import ServeCluster
@@ -45,19 +45,8 @@ def cluster(redis_server: LocalRedis, request: pytest.FixtureRequest) -> Iterato
 
 
 def bodies() -> list[dict]:
-    return [
-        {
-            "model": MODEL,
-            "messages": [
-                {"role": "system", "content": SYSTEM},
-                {"role": "user", "content": f"City number {i}?"},
-            ],
-            "max_tokens": 600,
-            "ignore_eos": True,
-            **REQUESTS[i],
-        }
-        for i in range(len(REQUESTS))
-    ]
+    questions = [f"City number {i}?" for i in range(len(REQUESTS))]
+    return chat_bodies(MODEL, SYSTEM, questions, REQUESTS, max_tokens=600)
 
 
 def test_streams_on_a_killed_replica_resume_token_for_token(cluster: ServeCluster) -> None:

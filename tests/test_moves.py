@@ -6,12 +6,12 @@ block accounting adds up on both replicas afterwards."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
 from conftest import keep_logs, tiny
-from streams import Stream, replica_pids
+from streams import Stream, busiest, chat_bodies, replica_pids, streams_with
 from test_serve_e2e import assert_no_leaked_blocks
 
 from bench.harness.launcher import ServeCluster
@@ -46,37 +46,17 @@ def cluster(redis_server: LocalRedis, request: pytest.FixtureRequest) -> Iterato
 
 
 def bodies(tag: str) -> list[dict]:
-    return [
-        {
-            "model": MODEL,
-            "messages": [
-                {"role": "system", "content": SYSTEM},
-                {"role": "user", "content": f"Train {tag}{i}?"},
-            ],
-            "max_tokens": 400,
-            "ignore_eos": True,
-            "logprobs": True,
-            "top_logprobs": 2,
-            **SAMPLING[i],
-        }
-        for i in range(len(SAMPLING))
-    ]
+    questions = [f"Train {tag}{i}?" for i in range(len(SAMPLING))]
+    return chat_bodies(
+        MODEL, SYSTEM, questions, SAMPLING, max_tokens=400, logprobs=True, top_logprobs=2
+    )
 
 
-def run(cluster: ServeCluster, tag: str, act: object = None) -> list[Stream]:
+def run(
+    cluster: ServeCluster, tag: str, act: Callable[[list[Stream]], None] | None = None
+) -> list[Stream]:
     """Every body at once; ``act(streams)`` once each has 5 pieces (mid-decode)."""
-    streams = [Stream(cluster.base_url, body) for body in bodies(tag)]
-    for s in streams:
-        s.start()
-    if act is not None:
-        deadline = time.monotonic() + 120
-        while min(len(s.pieces) for s in streams) < 5:
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
-        act(streams)  # type: ignore[operator]
-    for s in streams:
-        s.join(300)
-    return streams
+    return streams_with(cluster, bodies(tag), act)
 
 
 def assert_same(got: list[Stream], want: list[Stream]) -> None:
@@ -97,11 +77,6 @@ def moved(cluster: ServeCluster, reason: str, outcome: str) -> float:
         for line in text.splitlines()
         if line.startswith("prefix_serve_moved_requests_total") and label in line
     )
-
-
-def busiest(streams: list[Stream]) -> str:
-    replicas = [s.replica for s in streams]
-    return max(set(replicas), key=replicas.count)
 
 
 def order(cluster: ServeCluster, replica: str, **params: object) -> dict:
@@ -133,7 +108,10 @@ def test_streams_moved_by_an_order_go_on_token_for_token(cluster: ServeCluster) 
         assert m["target"] == answer["to"] and m["reason"] == "operator"
         assert m["tokens"] >= 5 * 16 and m["num_bytes"] > 0  # the prompt's KV went with it
     assert moved(cluster, "operator", "pushed") - before == len(on_source)
-    taken = lambda: cluster.stats()["replicas"][answer["to"]].get("moves_received", 0)  # noqa: E731
+
+    def taken() -> int:
+        return cluster.stats()["replicas"][answer["to"]].get("moves_received", 0)
+
     deadline = time.monotonic() + 10  # the stats a period behind
     while taken() < len(on_source):
         assert time.monotonic() < deadline

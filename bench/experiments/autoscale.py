@@ -15,7 +15,7 @@ import argparse
 import json
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,9 @@ import redis
 
 from bench.harness.launcher import ServeCluster
 from bench.harness.redis_server import LocalRedis
-from bench.harness.scenario import counts
+from bench.harness.scenario import counts, phased_trace
 from bench.loadgen import RequestResult, drive
-from bench.workloads import TraceRequest, WorkloadSpec, fast_engine, make_trace
+from bench.workloads import TraceRequest, fast_engine
 from cluster.config import Autoscaling, ClusterArgs
 from kvindex.config import IndexConfig
 from kvindex.measure import percentile
@@ -44,29 +44,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=7)
 
 
-def phased_trace(phases: list[tuple[float, float]], args: argparse.Namespace) -> list[TraceRequest]:
+def multi_tenant_phases(
+    phases: list[tuple[float, float]], args: argparse.Namespace
+) -> list[TraceRequest]:
     """The multi-tenant trace, its arrival rate constant within each phase."""
     low, high = (int(x) for x in args.output_tokens.split(","))
-    trace: list[TraceRequest] = []
-    start = 0.0
-    for k, (seconds, rate) in enumerate(phases):
-        spec = WorkloadSpec(
-            "multi_tenant",
-            num_requests=max(1, int(seconds * rate)),
-            rate=rate,
-            seed=args.seed + k,
-            tenants=args.tenants,
-            zipf=0.6,
-            output_tokens=(low, high),
-        )
-        part = make_trace(spec)
-        trace += [
-            replace(r, request_id=f"p{k}-{r.request_id}", arrival_s=start + r.arrival_s)
-            for r in part
-            if r.arrival_s < seconds
-        ]
-        start += seconds
-    return trace
+    return phased_trace(
+        "multi_tenant", phases, args.seed, (low, high), tenants=args.tenants, zipf=0.6
+    )
 
 
 @dataclass
@@ -109,7 +94,7 @@ class ReplicaSampler(threading.Thread):
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     phases = [(float(s), float(r)) for s, r in (p.split(":") for p in args.phases.split(","))]
-    trace = phased_trace(phases, args)
+    trace = multi_tenant_phases(phases, args)
     with LocalRedis() as redis_server:
         cluster_args = ClusterArgs(
             autoscaling=Autoscaling(

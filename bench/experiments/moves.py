@@ -26,14 +26,13 @@ import argparse
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from bench.experiments.moves_report import markdown, window_hit_rate
 from bench.harness.launcher import ServeCluster
 from bench.harness.redis_server import LocalRedis
-from bench.harness.scenario import counts
+from bench.harness.scenario import counts, phased_trace
 from bench.harness.serve_state import moved_counts, replica_ids, wait_settled
 from bench.loadgen import RequestResult, drive, warm_up
 from bench.peers.host import provenance
@@ -103,28 +102,10 @@ def cluster_args(
 
 
 def _trace(
-    args: argparse.Namespace, workload: str, phases: list[tuple[float, float]], **kw: Any
+    args: argparse.Namespace, workload: str, phases: list[tuple[float, float]], **spec: Any
 ) -> list[TraceRequest]:
-    """``workload`` in phases of constant rate (seconds, rate)."""
     low, high = (int(x) for x in args.output_tokens.split(","))
-    trace: list[TraceRequest] = []
-    start = 0.0
-    for k, (seconds, rate) in enumerate(phases):
-        spec = WorkloadSpec(
-            workload,
-            num_requests=max(1, int(seconds * rate)),
-            rate=rate,
-            seed=args.seed + k,
-            output_tokens=(low, high),
-            **kw,
-        )
-        trace += [
-            replace(r, request_id=f"p{k}-{r.request_id}", arrival_s=start + r.arrival_s)
-            for r in make_trace(spec)
-            if r.arrival_s < seconds
-        ]
-        start += seconds
-    return trace
+    return phased_trace(workload, phases, args.seed, (low, high), **spec)
 
 
 def scale_in(args: argparse.Namespace, url: str, on: bool) -> dict[str, Any]:

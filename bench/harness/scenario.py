@@ -7,7 +7,8 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -210,3 +211,36 @@ def resume_counts(base_url: str) -> dict[str, float]:
                 if f'outcome="{outcome}"' in line:
                     counts[outcome] += float(line.split()[-1])
     return counts
+
+
+def phased_trace(
+    workload: str,
+    phases: Sequence[tuple[float, float]],
+    seed: int,
+    output_tokens: tuple[int, int],
+    **spec: Any,
+) -> list[TraceRequest]:
+    """``workload`` with its arrival rate constant within each phase (seconds, rate): each
+    phase a trace of its own (seed ``seed + k``), its ids prefixed ``p<k>-``, cut at the
+    phase's end and shifted to its start. ``spec``: the workload's other ``WorkloadSpec``
+    fields."""
+    trace: list[TraceRequest] = []
+    start = 0.0
+    for k, (seconds, rate) in enumerate(phases):
+        part = make_trace(
+            WorkloadSpec(
+                workload,
+                num_requests=max(1, int(seconds * rate)),
+                rate=rate,
+                seed=seed + k,
+                output_tokens=output_tokens,
+                **spec,
+            )
+        )
+        trace += [
+            replace(r, request_id=f"p{k}-{r.request_id}", arrival_s=start + r.arrival_s)
+            for r in part
+            if r.arrival_s < seconds
+        ]
+        start += seconds
+    return trace

@@ -32,11 +32,9 @@ class Ranked(Sequence[list[RunningReplica]]):
 
 
 def pull_target(pending: PendingRequest | None) -> str | None:
-    """The holder a ``PullRequest`` names (None for anything else)."""
-    if pending is None or not pending.args:
-        return None
-    target = getattr(pending.args[0], "target_replica_id", None)
-    return target if isinstance(target, str) else None
+    """The holder a ``PullRequest`` names, or the receiver a ``KVPush`` or ``MoveOrder`` is
+    pinned to (None for anything else)."""
+    return _named(pending, "target_replica_id")
 
 
 def routing_request(pending: PendingRequest | None) -> RoutingRequest | None:
