@@ -26,6 +26,7 @@ import pytest
 from conftest import keep_logs, vllm_paths
 
 from bench.harness.launcher import ServeCluster
+from bench.harness.memory import shm_sweep
 from bench.harness.redis_server import LocalRedis
 from cluster.config import ClusterArgs
 from kvindex.hashing import BlockHasher
@@ -63,7 +64,9 @@ def cluster(redis_server: LocalRedis, request: pytest.FixtureRequest) -> Iterato
     os.environ[DROP_EVENTS_ENV] = ",".join(map(str, DROPPED))
     failed = request.session.testsfailed
     try:
-        with ServeCluster(args, python=python) as running:
+        # a replica killed on purpose (below) leaves its vLLM's message queues in /dev/shm
+        # (vLLM's engine core unlinks them only at a clean exit): removed once it stops
+        with shm_sweep(), ServeCluster(args, python=python) as running:
             yield running
             keep = keep_logs(request, failed)
             running.stop(keep_logs=keep)

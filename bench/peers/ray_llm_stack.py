@@ -102,7 +102,7 @@ def _serve(
     flags: list[str],
     index_url: str,
 ) -> Iterator[Running]:
-    """Start the script, yield the stack, stop it (SIGTERM: Serve and its Ray shut down)."""
+    """Start the script, yield the stack, stop it (SIGTERM: the script stops its Ray)."""
     port, metrics = free_port(), free_port()
     command = [
         str(python),

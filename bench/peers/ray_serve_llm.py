@@ -8,8 +8,8 @@ project.
 It starts a private Ray instance (``address="local"``, its own temp dir), deploys the
 OpenAI app with ``--replicas`` engines of ``--cpus-per-replica`` CPUs each, prints one line
 ``READY {json}`` once ``/v1/models`` answers and every engine has served a token, and blocks
-until SIGTERM or SIGINT; then it shuts Serve and its Ray down and ends its leftover
-processes (vLLM's engine cores are children of the replica actors).
+until SIGTERM or SIGINT; then it stops its Ray (not Serve first: see ``main``) and ends
+its leftover processes (vLLM's engine cores are children of the replica actors).
 
 What it took (docs/decisions.md, "The whole stack next to Ray Serve LLM"):
 
@@ -224,7 +224,9 @@ def main() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         children = psutil.Process().children(recursive=True)
-        serve.shutdown()
+        # no serve.shutdown(): with vLLM replicas its controller never finished within its
+        # own 30 s bound here (measured: every stop waited the whole 30 s, then went on);
+        # a stopped stack has nothing to drain, and stopping its private Ray stops it all
         ray.shutdown()
         for child in children:
             if child.is_running():
