@@ -21,6 +21,7 @@ from replica.model.runner import build_engine
 from replica.sampling.params import SamplingParams
 from replica.store.layout import fingerprint, owner_id
 from replica.store.node_store import NodeStore, StoreGeometry
+from replica.store.spill_items import published_blocks
 
 BS = 4
 
@@ -153,6 +154,35 @@ def _run(
 ) -> RequestOutput:
     engine.add_request(rid, prompt, params, owner=owner)
     return run_to_end(engine, rid)
+
+
+def test_the_node_stores_shares_are_weighted_as_the_pools() -> None:
+    """One set of 4 ways, tenants a (weight 1) and b (weight 3). Whichever floods, the set
+    ends 1:3: a flood of a, after b's three blocks, replaces only its own one way (unweighted
+    it would take b's oldest, for 2:2); a flood of b, after a's two blocks, takes one of them
+    and then replaces its own. The weights reach the store from the engine's pool
+    (``published_blocks``: the pool's latest weight of the block's tenant)."""
+    print_ = fingerprint("m", BS, b"", ("torch.uint8", (8,)))
+    a, b = owner_id("a"), owner_id("b")
+    keys = [bytes([i]) * 16 for i in range(12)]
+
+    def flood(first: tuple[int, float], then: tuple[int, float], firsts: int) -> list[int]:
+        store = NodeStore.anonymous(StoreGeometry(BS, 8, 1, 4), print_)
+        for i in range(12):
+            owner, weight = first if i < firsts else then
+            store.put(keys[i], None, [i] * BS, np.full(8, i, np.uint8), owner=owner, weight=weight)
+        store.check()
+        return [i for i in range(12) if store.find(keys[i]) is not None]
+
+    assert flood((b, 3.0), (a, 1.0), 3) == [0, 1, 2, 11]  # a keeps to its one way
+    assert flood((b, 1.0), (a, 1.0), 3) == [1, 2, 10, 11]  # unweighted: 2:2, b lost its oldest
+    assert flood((a, 1.0), (b, 3.0), 2) == [1, 9, 10, 11]  # b takes a's oldest, then its own
+    engine = build_engine(tiny(num_blocks=16, block_size=BS))
+    once = SamplingParams(max_tokens=1, ignore_eos=True)
+    _run(engine, "r", list(range(1, 2 * BS + 1)), once, Owner("b", weight=3.0))
+    assert engine.kv is not None
+    items = published_blocks(engine.kv, list(range(16)))
+    assert [(i.owner, i.weight) for i in items] == [(b, 3.0), (b, 3.0)]
 
 
 def test_a_tenants_flood_of_the_node_store_replaces_its_own_blocks() -> None:

@@ -56,6 +56,7 @@ from replica.config import EngineConfig
 KEYS = {"a": "sk-tenant-a", "b": "sk-tenant-b", "lo": "sk-tenant-lo", "hi": "sk-tenant-hi"}
 PRIORITY = {"hi": 5}
 MODES = ("fifo", "fair", "express", "express_flat")
+PHASES = ("b_alone", "noisy", "cost_share", "priority")
 Phase = dict[str, tuple[str, list[TraceRequest]]]
 
 
@@ -74,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", type=float, help="requests/s (default: measured)")
     parser.add_argument("--express-slots", type=int, default=1, help="per replica, express")
     parser.add_argument("--modes", default="fifo,fair,express", help="comma-separated")
+    parser.add_argument("--phases", default=",".join(PHASES), help="comma-separated, in this order")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
 
@@ -184,7 +186,8 @@ def phases(args: argparse.Namespace, mode: str, capacity: float) -> dict[str, Ph
     }
     if mode != "fifo":  # priorities act in the fair queue only
         out["priority"] = {"lo": load("lo", args.flood), "hi": load("hi", args.light)}
-    return out
+    wanted = chosen_modes(args.phases, PHASES, "--phases")  # b_alone too: every ratio's alone value
+    return {name: phase for name, phase in out.items() if name in wanted}
 
 
 def wait_idle(cluster: ServeCluster, timeout_s: float = 60.0) -> dict[str, Any]:

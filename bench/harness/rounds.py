@@ -12,11 +12,11 @@ from bench.harness.private_ray import PrivateRay
 from bench.harness.redis_server import LocalRedis
 
 
-def chosen_modes(text: str, allowed: Sequence[str]) -> list[str]:
-    """``--modes`` (comma-separated), each one of ``allowed``."""
+def chosen_modes(text: str, allowed: Sequence[str], flag: str = "--modes") -> list[str]:
+    """``flag``'s value (comma-separated), each one of ``allowed``."""
     modes = [m for m in text.split(",") if m]
     if not modes or set(modes) - set(allowed):
-        raise SystemExit(f"--modes: choose among {', '.join(allowed)}")
+        raise SystemExit(f"{flag}: choose among {', '.join(allowed)}")
     return modes
 
 

@@ -1,4 +1,4 @@
-"""The node store's one shared-memory format (version 2), and what names a store.
+"""The node store's one shared-memory format (version 3), and what names a store.
 
 One file per (cluster, fingerprint) in the store directory (``/dev/shm`` by default):
 
@@ -16,10 +16,12 @@ before and after), ``used_ns`` (the last put or restore, ``CLOCK_MONOTONIC``: on
 for every process of a node), ``uses`` (1 on put, +1 per restore: the disk tier admits a
 block on its second use), ``flags`` (``VALID``, ``HAS_PARENT``, ``WRITTEN``: its pages
 exist), ``owner`` (the tenant whose share of the store the block counts in, ``owner_id``;
-new in version 2), ``keep_until_ns`` (a session's retention: no put replaces the block
-before then, same clock as ``used_ns``; 0: none; new in version 2), the block's hash and
-its parent's as two little-endian uint64 each, and its
-``block_size`` token ids (uint32).
+new in version 2), ``weight`` (that tenant's weight when the block was put, float32: its
+share of a set is its weight over the set's owners' weights; new in version 3, in what was
+padding before ``keep_until_ns``, so a record's size is unchanged), ``keep_until_ns`` (a
+session's retention: no put replaces the block before then, same clock as ``used_ns``; 0:
+none; new in version 2), the block's hash and its parent's as two little-endian uint64
+each, and its ``block_size`` token ids (uint32).
 
 The fingerprint (``fingerprint``) covers the format version, the model id, the block
 size, the hash secret (its digest, never the secret), the KV layout (dtype and a block's
@@ -43,7 +45,8 @@ from typing import Any
 import numpy as np
 
 MAGIC = b"PSKVSTOR"
-VERSION = 2  # 2: the slot record's owner (a tenant's share of a set) and keep_until_ns
+VERSION = 3  # 2: the slot record's owner (a tenant's share of a set) and keep_until_ns;
+# 3: the owner's weight (shares weighted as in the engine's pool)
 HEADER_BYTES = 4096
 HEADER = struct.Struct("<8sIIIIQQQQ16sQ")
 # magic, version, block size, ways, (pad), sets, block bytes, meta at, data at,
@@ -65,6 +68,7 @@ def slot_dtype(block_size: int) -> np.dtype:
             ("uses", "<i4"),
             ("flags", "<i4"),
             ("owner", "<u4"),
+            ("weight", "<f4"),
             ("keep_until_ns", "<i8"),
             ("h0", "<u8"),
             ("h1", "<u8"),

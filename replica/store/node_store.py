@@ -164,13 +164,15 @@ class NodeStore:
         keep_evicted_after_uses: int | None = None,
         owner: int = 0,
         keep_until_ns: int = 0,
+        weight: float = 1.0,
     ) -> PutResult:
         """Store one block (its KV ``data``, uint8). A block already held is touched. The
-        set's LRU block of the owner holding the most of the set makes room (``_victim``);
+        set's LRU block of the owner holding the most of the set for its weight makes room
+        (``victim_way``);
         with ``keep_evicted_after_uses``, the result carries its bytes when it was used that
         often (the disk tier's admission). ``owner``: the tenant it counts for
-        (``layout.owner_id``); ``keep_until_ns``: no put replaces it before then (a
-        session's retention; a set whose every way is kept refuses the put)."""
+        (``layout.owner_id``) at ``weight``; ``keep_until_ns``: no put replaces it before
+        then (a session's retention; a set whose every way is kept refuses the put)."""
         g = self.geometry
         if len(token_ids) != g.block_size or data.size != g.block_bytes:
             raise ValueError("a store block is one full block of this store's layout")
@@ -186,7 +188,7 @@ class NodeStore:
                 self.meta["keep_until_ns"][held] = keep
                 self.counters.put_skipped += 1
                 return PutResult(False)
-            way = victim_way(ways, owner, time.monotonic_ns())
+            way = victim_way(ways, owner, weight, time.monotonic_ns())
             if way < 0:
                 self.counters.kept_full += 1
                 return PutResult(False)
@@ -195,7 +197,8 @@ class NodeStore:
                 self.counters.full += 1
                 return PutResult(False)
             evicted, kept = self._victim_record(slot, keep_evicted_after_uses)
-            self._write(slot, (h0, h1), parent_hash, token_ids, data, (owner, keep_until_ns))
+            held_for = (owner, weight, keep_until_ns)
+            self._write(slot, (h0, h1), parent_hash, token_ids, data, held_for)
         self.counters.puts += 1
         self.counters.evicted += evicted is not None
         return PutResult(True, evicted, kept)
@@ -224,10 +227,10 @@ class NodeStore:
         parent_hash: bytes | None,
         token_ids: Sequence[int],
         data: np.ndarray,
-        held_for: tuple[int, int] = (0, 0),
+        held_for: tuple[int, float, int] = (0, 1.0, 0),
     ) -> None:
         """Rewrite one slot under the seqlock (the caller holds the lock); ``held_for``:
-        its owner and the time a session keeps it until."""
+        its owner, the owner's weight and the time a session keeps it until."""
         meta = self.meta
         seq = int(meta["seq"][slot])
         meta["seq"][slot] = seq + 1 if seq % 2 == 0 else seq + 2  # odd: being written
@@ -238,7 +241,7 @@ class NodeStore:
         meta["p0"][slot], meta["p1"][slot] = p0, p1
         meta["tokens"][slot] = np.asarray(token_ids, np.uint32)
         meta["uses"][slot] = 1
-        meta["owner"][slot], meta["keep_until_ns"][slot] = held_for
+        meta["owner"][slot], meta["weight"][slot], meta["keep_until_ns"][slot] = held_for
         meta["used_ns"][slot] = time.monotonic_ns()
         meta["flags"][slot] = WRITTEN | VALID | (HAS_PARENT if parent_hash is not None else 0)
         meta["seq"][slot] = int(meta["seq"][slot]) + 1  # even: done
@@ -279,13 +282,14 @@ class NodeStore:
 
     def check(self) -> None:
         """Raise ``AssertionError`` unless every valid slot is stable, in its hash's set,
-        and no set holds a hash twice."""
+        owned at a positive weight, and no set holds a hash twice."""
         g = self.geometry
         for s in range(g.num_sets):
             ways = self.meta[s * g.ways : (s + 1) * g.ways]
             valid = ways[(ways["flags"] & VALID) != 0]
             assert not np.any(valid["seq"] % 2), f"set {s}: a valid slot mid-write"
             assert np.all(valid["h0"] % g.num_sets == s), f"set {s}: a block in the wrong set"
+            assert np.all(valid["weight"] > 0), f"set {s}: a block owned at no weight"
             keys = set(zip(valid["h0"].tolist(), valid["h1"].tolist(), strict=True))
             assert len(keys) == len(valid), f"set {s}: a hash held twice"
 

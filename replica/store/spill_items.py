@@ -5,7 +5,7 @@ session keeps it), and which of a step's released blocks to spill."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from replica.engine.faces import KVHandle
 from replica.store.layout import owner_id
@@ -21,6 +21,7 @@ class SpillItem:
     parent_hash: bytes | None
     token_ids: tuple[int, ...]
     owner: int = 0  # the tenant owning it in the pool (``layout.owner_id``)
+    weight: float = 1.0  # that tenant's weight (its share of the store, as in the pool)
     keep_until_ns: int = 0  # a session's retention: the store keeps it until then
 
 
@@ -45,6 +46,8 @@ def published_blocks(
         entry = cache.entry(block)
         parent = entry.parent.block_hash if entry.parent is not None else None
         generation = int(allocator.generations[block])
-        owner = owner_id(tenant if tenant is not None else allocator.cached.owner(block) or "")
-        items.append(SpillItem(block, generation, entry.block_hash, parent, entry.token_ids, owner))
+        name = tenant if tenant is not None else allocator.cached.owner(block) or ""
+        weight = allocator.cached.weights.get(name, 1.0)
+        item = SpillItem(block, generation, entry.block_hash, parent, entry.token_ids)
+        items.append(replace(item, owner=owner_id(name), weight=weight))
     return items

@@ -203,6 +203,7 @@ class StoreTier:
                 self.disk_after_uses if self.disk is not None else None,
                 item.owner,
                 item.keep_until_ns,
+                item.weight,
             )
             if int(generations[item.block_id]) != item.generation:  # reused mid-copy
                 if result.stored:
