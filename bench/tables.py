@@ -3,7 +3,8 @@
 ``python -m bench.tables docs/results/<run>.json`` prints the table of a ``speed`` run
 (ours next to vLLM, or without peers how close ours came to the machine), a ``stack`` run
 (our cluster next to Ray Serve LLM), a ``speculation`` run (drafts on and off, one engine
-next to vLLM's ``ngram``, or the whole cluster) or a ``tracing`` run (tracing off and on),
+next to vLLM's ``ngram``, or the whole cluster), a ``tracing`` run (tracing off and on)
+or a ``tenants`` run (each mode, phase and tenant),
 with the commit and CPU it measured. The README places each table after a marker naming its file
 (``<!-- table: docs/results/<run>.json -->``), and ``tests/test_results_tables.py`` checks
 that every such table is exactly what this prints: a table cannot drift from its run.
@@ -209,6 +210,10 @@ def render(path: Path, name: str | None = None) -> str:
         from bench.experiments.moves_report import moves_table
 
         table = moves_table(run)
+    elif run.get("arguments", {}).get("experiment") == "tenants":
+        from bench.experiments.tenants_report import phases_table
+
+        table = phases_table(run)
     elif run.get("experiment") == "tracing":
         table = tracing_table(run)
     elif run.get("experiment") == "speculation":

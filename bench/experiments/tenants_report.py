@@ -110,17 +110,14 @@ def _fmt(stat: dict[str, float | None], digits: int = 2) -> str:
     return f"{n(med)} ({n(lo)}-{n(hi)})"
 
 
-def markdown(payload: dict[str, Any]) -> str:
-    table = payload["summary"]["table"]
+def phases_table(payload: dict[str, Any]) -> str:
+    """Every mode, phase and tenant of a run: medians (min-max) over its repeats (the table
+    ``bench.tables`` places in the README for a kept run)."""
     lines = [
-        f"# {payload['title']}",
-        "",
-        f"capacity {payload['capacity_rps']:.2f} requests/s; measured {payload['measured']}",
-        "",
         "| mode | phase | tenant | TTFT p50 s | TTFT p99 s | served req/s | refused | cut off |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for mode, phases in table.items():
+    for mode, phases in payload["summary"]["table"].items():
         for phase, tenants in phases.items():
             for tenant, s in tenants.items():
                 lines.append(
@@ -128,6 +125,17 @@ def markdown(payload: dict[str, Any]) -> str:
                     f"{_fmt(s['ttft_p99_s'])} | {_fmt(s['served_rps'])} | "
                     f"{_fmt(s['refused'], 0)} | {_fmt(s['cut_off'], 0)} |"
                 )
+    return "\n".join(lines)
+
+
+def markdown(payload: dict[str, Any]) -> str:
+    lines = [
+        f"# {payload['title']}",
+        "",
+        f"capacity {payload['capacity_rps']:.2f} requests/s; measured {payload['measured']}",
+        "",
+        phases_table(payload),
+    ]
     lines += ["", "Checks (medians):", ""]
     for mode, checks in payload["summary"]["checks"].items():
         for key, value in checks.items():
