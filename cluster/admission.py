@@ -87,11 +87,15 @@ class Admission:
             return -(-slots // self.args.ingress_replicas)
         return max(0, slots - others)
 
+    def express_slots(self) -> int:
+        """The cluster's express slots: ``FairQueueConfig.express_slots`` per engine replica
+        (the shared fair queue lends them over every ingress)."""
+        return self.engine_replicas() * self.args.fair_queue.express_slots
+
     def express_limit(self) -> int:
-        """The express slots this ingress may lend (``FairQueueConfig.express_slots`` per
-        engine replica, an even share of them with several ingresses)."""
-        slots = self.engine_replicas() * self.args.fair_queue.express_slots
-        return -(-slots // self.args.ingress_replicas)
+        """The express slots this ingress may lend with its own queue: an even share of the
+        cluster's with several ingresses."""
+        return -(-self.express_slots() // self.args.ingress_replicas)
 
     def enter(self, count: int = 1) -> None:
         """Take ``count`` slots (a batch of prompts takes one each), or refuse with 503."""

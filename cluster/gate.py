@@ -120,6 +120,7 @@ class Gate:
                 admission.engine_slots,
                 self.queue,
                 waiting,
+                express=admission.express_slots,
             )
             if self.fair and args.fair_queue.shared and args.ingress_replicas > 1
             else None

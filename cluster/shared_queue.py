@@ -16,12 +16,14 @@ fits, and finds a release whose message was lost. An ingress silent for ``ALIVE_
 dropped: a dropped waiter is let through when its ingress notices (as if released), so an
 ingress that stalls that long may overfill the slots once, never hold them forever.
 
-Not in the shared order: express slots (none are lent: they need every ingress's view of
-who runs what, which this order does not keep) and the wait estimate (a waiter is refused
-at its deadline, not before). While Redis cannot be reached, requests go to the ingress's
-own ``FairQueue`` over its share of the slots, as without sharing. Invariants: a ticket
-is left exactly once; a waiter released is never withdrawn (its slots are given back by
-``leave``).
+Express slots are lent in the shared order too (``express``: the cluster's, replicas x
+``fair_queue.express_slots``), by ``cluster.fair_queue``'s rule over every ingress's
+requests: Redis keeps what each ingress runs per tenant and per priority, each tenant's
+waiters and weight (``cluster.shared_queue_scripts``). Not shared: the wait estimate (a
+waiter is refused at its deadline, not before). While Redis cannot be reached, requests go
+to the ingress's own ``FairQueue`` over its share of the slots, as without sharing.
+Invariants: a ticket is left exactly once; a waiter released is never withdrawn (its slots
+are given back by ``leave``).
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ ALIVE_MS = 15_000  # an ingress silent this long is dropped (its requests, its w
 
 class SharedFairQueue:
     """The fair queue of the module docstring, for one ingress. ``slots``: the engines'
-    slots for the whole cluster; ``local``: the queue used while Redis cannot be reached
-    (and for the express slots)."""
+    slots for the whole cluster, ``express`` its express slots; ``local``: the queue used
+    while Redis cannot be reached."""
 
     def __init__(
         self,
@@ -58,8 +60,10 @@ class SharedFairQueue:
         local: FairQueue,
         max_waiting: int = -1,
         ingress_id: str | None = None,
+        express: Callable[[], int] = lambda: 0,
     ) -> None:
         self.ns, self.slots, self.local, self.max_waiting = namespace, slots, local, max_waiting
+        self.express = express
         self.ingress = ingress_id or uuid.uuid4().hex[:12]
         self._redis = redis.asyncio.Redis.from_url(url, socket_timeout=2.0)
         self._scripts = {
@@ -71,8 +75,8 @@ class SharedFairQueue:
                 ("beat", BEAT),
             )
         }
-        self._waiters: dict[str, asyncio.Future[None]] = {}
-        self._early: set[str] = set()  # released before their waiter was registered
+        self._waiters: dict[str, asyncio.Future[bool]] = {}  # True: on an express slot
+        self._early: dict[str, bool] = {}  # released before their waiter was registered
         self._tasks: list[asyncio.Task[None]] = []
         self._starting: asyncio.Future[None] | None = None
         self.fallbacks = 0  # requests queued locally because Redis failed
@@ -122,6 +126,7 @@ class SharedFairQueue:
                 count,
                 self.slots(),
                 self.max_waiting,
+                self.express(),
             )
         except RedisError as exc:
             self.fallbacks += 1
@@ -129,8 +134,8 @@ class SharedFairQueue:
             return await self.local.enter(tenant, cost, count, deadline_s)
         if int(state) < 0:
             raise queue_full(self.waiting)
-        ticket = SharedTicket(tenant, cost, count, 0.0)
-        if int(state) == 1:
+        ticket = SharedTicket(tenant, cost, count, 0.0, express=int(state) == 2)
+        if int(state) > 0:
             return ticket
         await self._await_release(member.decode(), tenant, cost, deadline_s, ticket)
         ticket.waited_s = time.monotonic() - start
@@ -145,12 +150,12 @@ class SharedFairQueue:
         ticket: Ticket,
     ) -> None:
         if member in self._early:
-            self._early.discard(member)
+            ticket.express = self._early.pop(member)
             return
-        future = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._waiters[member] = future
         try:
-            await asyncio.wait_for(asyncio.shield(future), deadline_s)
+            ticket.express = await asyncio.wait_for(asyncio.shield(future), deadline_s)
         except TimeoutError:
             if await self._withdraw(member, tenant, cost):
                 raise wait_too_long(deadline_s or 0.0, deadline_s or 0.0) from None
@@ -163,7 +168,9 @@ class SharedFairQueue:
 
     async def _withdraw(self, member: str, tenant: Tenant, cost: float) -> bool:
         """Take a waiter out; False if it was released already (it holds its slots)."""
-        gone = await self._run("withdraw", member, tenant.name, cost / tenant.weight, self.slots())
+        gone = await self._run(
+            "withdraw", member, tenant.name, cost / tenant.weight, self.slots(), self.express()
+        )
         return bool(int(gone))
 
     async def leave(self, ticket: Ticket, actual_cost: float | None = None) -> None:
@@ -179,7 +186,14 @@ class SharedFairQueue:
         correction = (cost - ticket.cost) / ticket.tenant.weight
         try:
             await self._run(
-                "leave", self.ingress, ticket.tenant.name, ticket.count, correction, self.slots()
+                "leave",
+                self.ingress,
+                ticket.tenant.name,
+                ticket.count,
+                correction,
+                self.slots(),
+                ticket.tenant.priority,
+                self.express(),
             )
         except RedisError as exc:  # its slots come back when this ingress's entry is dropped
             log.warning("shared fair queue: a request's end not recorded (%s)", exc)
@@ -199,22 +213,23 @@ class SharedFairQueue:
             try:
                 async for message in pubsub.listen():
                     if message.get("type") == "message":
-                        self._released(message["data"].decode())
+                        member, _, express = message["data"].decode().partition(" ")
+                        self._released(member, express == "x")
             except RedisError as exc:
                 log.warning("shared fair queue: releases unheard (%s); subscribing again", exc)
                 await asyncio.sleep(BEAT_S)
                 with contextlib.suppress(RedisError):
                     pubsub = await self._subscribe()
 
-    def _released(self, member: str) -> None:
+    def _released(self, member: str, express: bool = False) -> None:
         future = self._waiters.get(member)
         if future is None:
-            self._early.add(member)  # its enter has not registered it yet
+            self._early[member] = express  # its enter has not registered it yet
         elif not future.done():
-            future.set_result(None)
+            future.set_result(express)
 
     async def _beat(self) -> None:
-        await self._run("beat", self.ingress, ALIVE_MS, self.slots())
+        await self._run("beat", self.ingress, ALIVE_MS, self.slots(), self.express())
 
     async def _beat_forever(self) -> None:
         while True:

@@ -2,8 +2,10 @@
 redis-server: the 1:3 weights hold in charged tokens when each tenant reaches a different
 ingress (two local queues split the slots 1:1 instead), a higher priority waiting at one
 ingress goes before a lower one at the other, the slots are never exceeded, a waiter is
-refused at its deadline and a client that leaves gives its place back, and a dead
-ingress's requests stop counting."""
+refused at its deadline and a client that leaves gives its place back, a dead ingress's
+requests stop counting, and express slots are lent over both ingresses by the local queue's
+rule (a light tenant or a higher priority at one ingress while a flood at the other holds
+every slot; never the flood, never past a waiter ahead)."""
 
 from __future__ import annotations
 
@@ -21,9 +23,16 @@ from cluster.tenants import Tenant
 SLOTS = 2
 
 
-def queues(url: str, n: int = 2, slots: int = SLOTS) -> list[SharedFairQueue]:
+def queues(url: str, n: int = 2, slots: int = SLOTS, express: int = 0) -> list[SharedFairQueue]:
     return [
-        SharedFairQueue(url, "sq", lambda: slots, FairQueue(lambda: slots // n), ingress_id=f"i{i}")
+        SharedFairQueue(
+            url,
+            "sq",
+            lambda: slots,
+            FairQueue(lambda: slots // n),
+            ingress_id=f"i{i}",
+            express=lambda: express,
+        )
         for i in range(n)
     ]
 
@@ -176,3 +185,65 @@ def test_arrivals_keep_their_order_within_a_tenant(fresh_redis: LocalRedis) -> N
         return order
 
     assert asyncio.run(run()) == list(range(6))
+
+
+def test_a_light_tenant_at_one_ingress_takes_the_express_slot_a_flood_at_the_other_never_does(
+    fresh_redis: LocalRedis,
+) -> None:
+    """2 slots + 1 express. The flood (ingress one) holds both slots and has a waiter W; the
+    light tenant (ingress two) runs nothing, under its share: its request starts at once on
+    the lane, ahead of W, and W, over its share, never takes the lane (the lane lends a slot:
+    W waits until the total is under the slots). A second light request arriving behind W
+    waits although the lane is free (the lane goes to the head only), and takes it once W
+    has a slot."""
+
+    async def run() -> None:
+        flood_q, light_q = queues(fresh_redis.url, slots=2, express=1)
+        flood, light = Tenant("flood"), Tenant("light")
+        held = [await flood_q.enter(flood, 10, 1, None) for _ in range(2)]
+        assert not any(t.express for t in held)
+        w = asyncio.create_task(flood_q.enter(flood, 10, 1, None))
+        await asyncio.sleep(0.1)
+        lane = await asyncio.wait_for(light_q.enter(light, 10, 1, None), 2.0)
+        assert lane.express
+        await light_q.leave(lane, 10)  # 2 running again, the lane free: W still over its share
+        await asyncio.sleep(0.2)
+        assert not w.done()
+        second = asyncio.create_task(light_q.enter(light, 10, 1, None))  # behind W
+        await asyncio.sleep(0.2)
+        assert not second.done()
+        await flood_q.leave(held[0], 10)  # a slot: W's, then the lane: the light request's
+        assert not (await asyncio.wait_for(w, 2.0)).express
+        assert (await asyncio.wait_for(second, 2.0)).express
+        assert flood_q.local.in_flight == light_q.local.in_flight == 0  # all counted in Redis
+        for q in (flood_q, light_q):
+            await q.close()
+
+    asyncio.run(run())
+
+
+def test_a_higher_priority_at_one_ingress_takes_the_lane_by_priority_alone(
+    fresh_redis: LocalRedis,
+) -> None:
+    """2 slots + 1 express, both held by a priority-0 tenant at ingress one. A priority-5
+    tenant of weight 0.01 (a share of the slots far under one request) starts on the lane
+    at once at ingress two: it outranks what runs. A priority-0 tenant of the same weight
+    then waits for a slot with the lane free: neither rule lends it the lane."""
+
+    async def run() -> None:
+        one, two = queues(fresh_redis.url, slots=2, express=1)
+        held = [await one.enter(Tenant("batch"), 10, 1, None) for _ in range(2)]
+        urgent = await asyncio.wait_for(
+            two.enter(Tenant("chat", priority=5, weight=0.01), 10, 1, None), 2.0
+        )
+        assert urgent.express
+        await two.leave(urgent, 10)
+        meek = asyncio.create_task(two.enter(Tenant("meek", weight=0.01), 10, 1, None))
+        await asyncio.sleep(0.2)
+        assert not meek.done()
+        await one.leave(held[0], 10)
+        assert not (await asyncio.wait_for(meek, 2.0)).express
+        for q in (one, two):
+            await q.close()
+
+    asyncio.run(run())
