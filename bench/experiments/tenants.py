@@ -24,7 +24,9 @@ always busy with A's cached requests. Each phase sends arrivals for ``--duration
 seconds and abandons what is still waiting or running ``--grace`` seconds later (the
 clients disconnect; FIFO's backlog would otherwise take minutes to drain): a request
 abandoned before its first token counts as a TTFT beyond the cut-off. Modes alternate
-ABBA over ``--repeats``.
+ABBA over ``--repeats``. With ``--ingress-replicas`` 2 the clients reach two ingresses
+(Serve's proxy picks one per request) that share one fair queue in Redis
+(``cluster.shared_queue``), express slots included; ``--phases`` runs some phases only.
 """
 
 from __future__ import annotations
@@ -76,6 +78,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--express-slots", type=int, default=1, help="per replica, express")
     parser.add_argument("--modes", default="fifo,fair,express", help="comma-separated")
     parser.add_argument("--phases", default=",".join(PHASES), help="comma-separated, in this order")
+    parser.add_argument(
+        "--ingress-replicas",
+        type=int,
+        default=1,
+        help="more than 1: one fair queue for all of them, in Redis (fair_queue.shared)",
+    )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
 
@@ -119,6 +127,7 @@ def cluster_args(
         engine=engine.model_copy(update={"priority_prefill": mode != "express_flat"}),
         max_ongoing_requests=args.max_ongoing,
         max_queued_requests=-1,  # FIFO holds everything; the fair queue refuses by deadline
+        ingress_replicas=args.ingress_replicas,
         api_keys=list(keys),
         fair_queue={
             "enabled": mode != "fifo",
