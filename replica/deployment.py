@@ -260,7 +260,7 @@ class EngineReplica:
         """Serve's graceful stop (Ctrl-C, scale-down, redeploy), after the replica's
         running requests finished (or moved: ``replica.moves``) or its graceful-shutdown
         timeout passed."""
-        self.mover.stop()
+        await self.mover.finish()  # the hot prefixes' hand-off, if it is under way
         self.engine_loop.stop()
         self._leave_index()
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -23,6 +23,7 @@ sooner.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -101,6 +102,18 @@ class Mover:
     def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
+
+    async def finish(self) -> None:
+        """Serve's last call (``__del__``): a leave under way finishes first, then the watch
+        stops. Serve calls it as soon as the streams have moved off (its ongoing requests
+        are what it waits for), while the hot prefixes may still be on their way: stopping
+        at once cut that hand-off short. Bounded by the hand-off's own deadline plus one
+        push's timeout (the deadline is checked between pushes)."""
+        task, bound = self._task, self.config.handoff_s + self.config.push_timeout_s
+        if task is not None and self.left and not task.done():
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(task), bound)
+        self.stop()
 
     async def _watch(self) -> None:
         from replica.leaving import stop_flag
