@@ -260,10 +260,19 @@ class EngineReplica:
         """Serve's graceful stop (Ctrl-C, scale-down, redeploy), after the replica's
         running requests finished (or moved: ``replica.moves``) or its graceful-shutdown
         timeout passed."""
-        await self.mover.finish()  # the hot prefixes' hand-off, if it is under way
+        self._leave_index()  # first: a replica stopping with it sees this one gone
+        await self.mover.finish(self._others_in_index)  # the hot prefixes' hand-off
         self.engine_loop.stop()
-        self._leave_index()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _others_in_index(self) -> bool:
+        """Whether another replica of this deployment is still in the index (Redis down:
+        assumed so; the hand-off's own bound still holds)."""
+        try:
+            live = await asyncio.to_thread(self.puller.reader.live_replicas)
+        except Exception:
+            return True
+        return any(rid != self.replica_id for rid in live)
 
     def _leave_index(self) -> None:
         """Deregister (once). Also at interpreter exit: a SIGTERM to ``serve run`` (what

@@ -23,7 +23,6 @@ sooner.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -44,6 +43,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ray.serve")
 WATCH_PERIOD_S = 0.05  # how often Serve's stop flag is read (an attribute read)
+FINISH_POLL_S = 0.1  # how often a stopping replica looks for others to hand prefixes to
 AFFINITY_BLOCKS = 4  # the routing key's K a pushed prefix carries (``ClusterArgs`` default)
 
 
@@ -103,16 +103,20 @@ class Mover:
         if self._task is not None:
             self._task.cancel()
 
-    async def finish(self) -> None:
-        """Serve's last call (``__del__``): a leave under way finishes first, then the watch
-        stops. Serve calls it as soon as the streams have moved off (its ongoing requests
-        are what it waits for), while the hot prefixes may still be on their way: stopping
-        at once cut that hand-off short. Bounded by the hand-off's own deadline plus one
-        push's timeout (the deadline is checked between pushes)."""
+    async def finish(self, others: Callable[[], Awaitable[bool]]) -> None:
+        """Serve's last call (``__del__``, after this replica left the index): a leave under
+        way finishes first, then the watch stops. Serve calls it as soon as the streams
+        have moved off (its ongoing requests are what it waits for), while the hot prefixes
+        may still be on their way: stopping at once cut that hand-off short. It waits while
+        ``others`` says another replica is still in the index (none: the whole deployment
+        is stopping, nothing can take a prefix, and a push would only wait out its
+        timeout), at most the hand-off's deadline plus one push's timeout."""
         task, bound = self._task, self.config.handoff_s + self.config.push_timeout_s
-        if task is not None and self.left and not task.done():
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(task), bound)
+        deadline = time.monotonic() + bound
+        while task is not None and self.left and not task.done():
+            if time.monotonic() >= deadline or not await others():
+                break
+            await asyncio.wait({task}, timeout=FINISH_POLL_S)
         self.stop()
 
     async def _watch(self) -> None:
