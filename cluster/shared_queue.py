@@ -248,7 +248,7 @@ class SharedFairQueue:
         scores = await self._redis.zmscore(f"{self.ns}:wait", members)
         for member, score in zip(members, scores, strict=True):
             if score is None:
-                self._released(member)
+                self._released(member)  # the lost message named the lane: counted as not
 
 
 class SharedTicket(Ticket):

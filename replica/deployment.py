@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 from ray import serve
+from redis.exceptions import RedisError
 
 from kvindex.writer import IndexWriter
 from replica import process, telemetry
@@ -270,7 +271,7 @@ class EngineReplica:
         assumed so; the hand-off's own bound still holds)."""
         try:
             live = await asyncio.to_thread(self.puller.reader.live_replicas)
-        except Exception:
+        except RedisError:
             return True
         return any(rid != self.replica_id for rid in live)
 

@@ -5,7 +5,7 @@ session keeps it), and which of a step's released blocks to spill."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from replica.engine.faces import KVHandle
 from replica.store.layout import owner_id
@@ -47,7 +47,8 @@ def published_blocks(
         parent = entry.parent.block_hash if entry.parent is not None else None
         generation = int(allocator.generations[block])
         name = tenant if tenant is not None else allocator.cached.owner(block) or ""
-        weight = allocator.cached.weights.get(name, 1.0)
-        item = SpillItem(block, generation, entry.block_hash, parent, entry.token_ids)
-        items.append(replace(item, owner=owner_id(name), weight=weight))
+        owner, weight = owner_id(name), allocator.cached.weights.get(name, 1.0)
+        items.append(
+            SpillItem(block, generation, entry.block_hash, parent, entry.token_ids, owner, weight)
+        )
     return items
