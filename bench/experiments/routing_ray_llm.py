@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.loadgen import drive, progress_printer, warm_up
+from bench.peers.engines import ensure_vllm_venv
 from bench.peers.ray_llm_stack import ray_llm
 from bench.report import summarize
 from bench.workloads import TraceRequest
@@ -54,7 +55,8 @@ def run_ray_llm_policy(
     router = policy.removeprefix(PREFIX)
     if engine.backend != "vllm" or router not in ROUTERS or int(args.replicas) != 2:
         raise ValueError(f"{policy}: needs --backend vllm, 2 replicas, a router of {ROUTERS}")
-    python = args.vllm_python.absolute()
+    # Ray Serve LLM and Dynamo's selection service beside vLLM (installed once, if missing)
+    python = ensure_vllm_venv(args.vllm_python.absolute().parent.parent, stack=True)
     work_dir.mkdir(parents=True, exist_ok=True)
     kwargs = peer_engine_kwargs(engine)
     try:

@@ -60,11 +60,25 @@ def router_config(args: argparse.Namespace) -> dict[str, Any]:
     if args.router == "prefix":
         return {"request_router_class": PREFIX_ROUTER}
     if args.router == "kv":
+        require_selection_service()
         return {"request_router_class": KV_ROUTER}
     if args.router == "ours":
         index = {"url": args.index_url, "cluster": "ray-llm"}
         return {"request_router_class": OUR_ROUTER, "request_router_kwargs": {"index": index}}
     return {}
+
+
+def require_selection_service() -> None:
+    """Ray's ``KVAwareRouter`` without Dynamo's selection service only logs a warning and
+    picks by load alone (and its ingress answered 503 to every request here): a peer run
+    that way would be measured as the KV router while being another. Refuse instead."""
+    try:
+        import dynamo.llm  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit(
+            f"--router kv needs Dynamo's selection service ({exc}): pip install --no-deps "
+            "ai-dynamo-runtime==1.6.1 (engines.ensure_vllm_venv(stack=True) does)"
+        ) from exc
 
 
 class BindReplicaToCore(CallbackBase):
