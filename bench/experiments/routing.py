@@ -20,16 +20,22 @@ from typing import Any
 
 from bench.experiments.routing_args import (
     add_workload_arguments,
-    check_knobs,
+    check_variants,
     experiment_engine,
     our_routing,
+    run_knobs,
     section_name,
     split_mirror,
     split_pull,
     split_store,
     traces,
 )
-from bench.experiments.routing_ray_llm import is_ray_llm, run_ray_llm_policy
+from bench.experiments.routing_ray_llm import (
+    check_ray_llm_policies,
+    is_drop_in,
+    is_ray_llm,
+    run_ray_llm_policy,
+)
 from bench.harness.launcher import ServeCluster, cluster_env
 from bench.harness.private_ray import PrivateRay
 from bench.harness.redis_server import LocalRedis
@@ -59,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out = args.out or Path(f"results/routing-{args.workload}")
     policies = [p for p in args.policies.split(",") if p]
-    check_knobs(policies, json.loads(args.knobs) if args.knobs else {}, args.epsilon)
+    check_ray_llm_policies(policies)
+    check_variants(args, policies, drop_in=is_drop_in)
     engine = experiment_engine(args)
     python = args.vllm_python.absolute() if engine.backend == "vllm" else None
     hasher, tokenizer = engine.block_hasher(), checkpoint_for(engine.model).tokenizer()
@@ -118,7 +125,7 @@ def run_policy(
 ) -> dict[str, Any]:
     namespace = f"exp-{os.getpid()}-{time.monotonic_ns()}"
     cluster_args, pull, store = _cluster_args(args, policy, redis_url, engine, namespace)
-    name = policy.partition("+")[0]
+    name = policy.partition("@")[0].partition("+")[0]
     python = args.vllm_python.absolute() if engine.backend == "vllm" else None
     cluster = ServeCluster(cluster_args, ray=ray, python=python)
     try:
@@ -157,9 +164,10 @@ def run_policy(
 def _cluster_args(
     args: argparse.Namespace, policy: str, redis_url: str, engine: EngineConfig, namespace: str
 ) -> tuple[ClusterArgs, PullConfig | None, StoreConfig]:
-    """The run's cluster: ``policy`` with its ``+mirror`` / ``+nostore`` / ``+pull``."""
-    knobs = json.loads(args.knobs) if args.knobs else {}
-    name, mirror = split_mirror(policy)
+    """The run's cluster: ``policy`` with its ``+mirror`` / ``+nostore`` / ``+pull`` and
+    its ``@variant``'s knobs."""
+    name, knobs = run_knobs(args, policy)
+    name, mirror = split_mirror(name)
     name, store = split_store(name)
     name, pull = split_pull(name, args.pull)
     if engine.backend == "vllm":  # vLLM's blocks stay in vLLM

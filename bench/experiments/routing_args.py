@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,43 @@ def check_knobs(policies: list[str], knobs: dict[str, Any], epsilon: float = 0.2
         raise ValueError(f"knobs {unknown} are no field of any routing section of {policies}")
 
 
+def split_variant(name: str, variants: dict[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """``prefill_cost@fit`` -> (``prefill_cost``, the knobs ``--variants`` names ``fit``);
+    else (name, {}). One ABBA run then compares knob settings of one policy on one trace."""
+    base, at, variant = name.partition("@")
+    if not at:
+        return name, {}
+    if variant not in variants:
+        raise ValueError(f"{name}: no variant {variant!r} in --variants ({sorted(variants)})")
+    return base, variants[variant]
+
+
+def run_knobs(args: argparse.Namespace, policy: str) -> tuple[str, dict[str, Any]]:
+    """The policy's name without its variant, and the knobs its runs take: ``--knobs``,
+    then the variant's on top."""
+    variants = json.loads(args.variants) if getattr(args, "variants", None) else {}
+    name, extra = split_variant(policy, variants)
+    return name, (json.loads(args.knobs) if args.knobs else {}) | extra
+
+
+def check_variants(
+    args: argparse.Namespace,
+    policies: list[str],
+    drop_in: Callable[[str], bool] = lambda name: False,
+) -> None:
+    """Before the first run: ``--knobs`` are fields of some policy of the run, each
+    ``@variant`` is named in ``--variants`` and its knobs are fields of its own policy
+    (a ``drop_in`` name, Ray Serve LLM with our router, is ``prefill_cost``)."""
+    variants = json.loads(args.variants) if args.variants else {}
+    names = [split_variant(p, variants)[0] for p in policies]
+    ours = ["prefill_cost" if drop_in(n) else n for n in names]
+    check_knobs(ours, json.loads(args.knobs) if args.knobs else {}, args.epsilon)
+    for policy, name in zip(policies, names, strict=True):
+        extra = split_variant(policy, variants)[1]
+        if extra:
+            check_knobs(["prefill_cost" if drop_in(name) else name], extra, args.epsilon)
+
+
 def split_mirror(name: str) -> tuple[str, bool | None]:
     """``prefill_cost+mirror`` (``+nomirror``) -> (``prefill_cost``, the routers' mirror of
     the index on (off)); else (name, None): ``--index`` or the default decides. Named per
@@ -103,7 +141,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zipf", type=float, default=1.1)
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--system-chars", type=int, default=600)
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help="comma-separated; a name@variant runs with --variants' knobs of that variant",
+    )
+    parser.add_argument(
+        "--variants", help='named knob sets, JSON: {"fit": {"decode_cost_tokens": 96}}'
+    )
     parser.add_argument("--replicas", default="2")
     parser.add_argument("--epsilon", type=float, default=0.25, help="bounded load factor")
     parser.add_argument(

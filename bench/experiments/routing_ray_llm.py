@@ -18,6 +18,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from bench.experiments.routing_args import run_knobs
 from bench.loadgen import drive, progress_printer, warm_up
 from bench.peers.engines import ensure_vllm_venv
 from bench.peers.ray_llm_stack import ray_llm
@@ -32,6 +33,18 @@ ROUTERS = ("kv", "prefix", "pow2", "ours")
 
 def is_ray_llm(policy: str) -> bool:
     return policy.startswith(PREFIX)
+
+
+def check_ray_llm_policies(policies: list[str]) -> None:
+    """Before the first run: a variant (``@name``: knobs) only of our router, the drop-in."""
+    for policy in policies:
+        if is_ray_llm(policy) and "@" in policy and not policy.startswith(f"{PREFIX}ours@"):
+            raise ValueError(f"{policy}: a variant's knobs are ours; Ray's routers take none")
+
+
+def is_drop_in(name: str) -> bool:
+    """Ray Serve LLM with our router: its knobs are ``prefill_cost``'s."""
+    return name == f"{PREFIX}ours"
 
 
 def peer_engine_kwargs(engine: EngineConfig) -> dict[str, Any]:
@@ -52,16 +65,18 @@ def run_ray_llm_policy(
 ) -> dict[str, Any]:
     """One run of ``trace`` through Ray Serve LLM with the policy's router: started, warmed
     up, driven, its counters read, stopped. A stack that cannot start is reported."""
-    router = policy.removeprefix(PREFIX)
+    name, knobs = run_knobs(args, policy)
+    router = name.removeprefix(PREFIX)
     if engine.backend != "vllm" or router not in ROUTERS or int(args.replicas) != 2:
         raise ValueError(f"{policy}: needs --backend vllm, 2 replicas, a router of {ROUTERS}")
+    knobs = knobs if router == "ours" else {}  # Ray's routers have none of ours
     # Ray Serve LLM and Dynamo's selection service beside vLLM (installed once, if missing)
     python = ensure_vllm_venv(args.vllm_python.absolute().parent.parent, stack=True)
     work_dir.mkdir(parents=True, exist_ok=True)
     kwargs = peer_engine_kwargs(engine)
     try:
         stack = ray_llm(python, args.hf_model.resolve(), work_dir, False, router=router,
-                        engine_kwargs=kwargs)  # fmt: skip
+                        engine_kwargs=kwargs, routing=knobs)  # fmt: skip
         with stack as running:
             warm_up(running.base_url, engine.model_id, int(args.replicas), timeout_s=120)
             before = running.cache_counters()

@@ -24,8 +24,9 @@ from typing import Any
 
 from bench.experiments.routing_args import (
     add_workload_arguments,
-    check_knobs,
+    check_variants,
     our_routing,
+    run_knobs,
     section_name,
     split_mirror,
     split_pull,
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cost = CostModel.load(args.cost_model)
     counts = [int(r) for r in str(args.replicas).split(",")]
     policies = [p for p in args.policies.split(",") if p]
-    check_knobs(policies, json.loads(args.knobs) if args.knobs else {}, args.epsilon)
+    check_variants(args, policies)
     seeds = parse_seeds(args.seeds) if args.seeds else [args.seed]
     if args.seeds and args.trace is not None:
         raise ValueError("--seeds generates a trace per seed; a --trace file has none")
@@ -225,7 +226,8 @@ def _simulate(
     cost: CostModel,
     trace: list[TraceRequest],
 ) -> dict[str, Any]:
-    name, mirror = split_mirror(policy)
+    name, knobs = run_knobs(args, policy)
+    name, mirror = split_mirror(name)
     if mirror is not None:
         return {"error": "not simulated: the simulator's index answers at once, mirror or not"}
     name, stored = split_store(name)
@@ -235,7 +237,7 @@ def _simulate(
     t0 = time.monotonic()
     store = stored if stored.enabled and args.store_blocks else None
     sim = Simulation(
-        sim_policy(name, args.epsilon, args.knobs, pull, store),
+        sim_policy(name, args.epsilon, json.dumps(knobs), pull, store),
         replicas,
         engine,
         cost,

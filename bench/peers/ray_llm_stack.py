@@ -57,6 +57,7 @@ def ray_llm(
     preload: Iterable[str] = PRELOADS,
     router: str = "prefix",
     engine_kwargs: dict[str, Any] | None = None,
+    routing: dict[str, Any] | None = None,
 ) -> Iterator[Running]:
     """Ray Serve LLM in vLLM's virtualenv, in the dtype ``make serve``'s cluster serves on
     this CPU (``dtype: auto``); cold: an empty vLLM/inductor compile cache. What stopping
@@ -64,7 +65,8 @@ def ray_llm(
     ``ray_serve_llm.py --router`` (``kv`` and ``ours`` run Ray's direct streaming, the
     path on which its ingress hands the router token ids; ``ours`` gets a redis-server of
     its own for the index). ``engine_kwargs``: vLLM engine arguments on top (a ``dtype``
-    among them replaces the one ``auto`` picks)."""
+    among them replaces the one ``auto`` picks). ``routing``: router ``ours``'s routing
+    fields (``RoutingConfig``: its cost model's knobs)."""
     cache = work_dir / "ray-llm-cache"
     if cold:
         shutil.rmtree(cache, ignore_errors=True)
@@ -81,6 +83,9 @@ def ray_llm(
     }
     flags = [f"--preload={libs}", f"--dtype={dtype}", f"--router={router}"]
     flags.append(f"--engine-kwargs={json.dumps(kwargs)}")
+    if routing:
+        flags.append(f"--routing={json.dumps(routing)}")
+        given["routing"] = routing
     with (
         shm_sweep() as sweep,
         LocalRedis() as redis,

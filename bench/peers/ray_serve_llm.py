@@ -64,7 +64,8 @@ def router_config(args: argparse.Namespace) -> dict[str, Any]:
         return {"request_router_class": KV_ROUTER}
     if args.router == "ours":
         index = {"url": args.index_url, "cluster": "ray-llm"}
-        return {"request_router_class": OUR_ROUTER, "request_router_kwargs": {"index": index}}
+        kwargs = {"index": index, "routing": json.loads(args.routing)}
+        return {"request_router_class": OUR_ROUTER, "request_router_kwargs": kwargs}
     return {}
 
 
@@ -200,6 +201,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--router", choices=("prefix", "kv", "ours", "pow2"), default="prefix")
     p.add_argument("--engine-kwargs", default="{}", help="more vLLM engine arguments, JSON")
     p.add_argument("--index-url", default="redis://127.0.0.1:6379/0", help="--router ours")
+    p.add_argument("--routing", default="{}", help="--router ours: routing fields, JSON")
     return p.parse_args()
 
 
