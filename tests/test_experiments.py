@@ -126,16 +126,17 @@ def test_knobs_tune_the_policies_that_have_them_and_a_misspelt_one_fails_first()
 def test_a_variant_runs_its_policy_with_its_own_knobs_and_a_wrong_one_fails_first() -> None:
     """``prefill_cost@fit`` beside ``prefill_cost`` in one ABBA run: the variant's knobs on
     top of ``--knobs``, the plain name without them; the drop-in (``ray_llm:ours``) takes
-    ``prefill_cost``'s; an unknown variant, a knob its policy lacks, or a variant of one
-    of Ray's own routers stops the run before its first cluster."""
+    ``prefill_cost``'s, any Ray Serve LLM app a deployment's ``max_ongoing_requests``; an
+    unknown variant, a knob its policy lacks, or routing knobs for one of Ray's own routers
+    stop the run before its first cluster."""
     import argparse
 
     from bench.experiments.routing_args import check_variants, run_knobs
-    from bench.experiments.routing_ray_llm import check_ray_llm_policies, is_drop_in
+    from bench.experiments.routing_ray_llm import check_ray_llm_policies, is_ray_llm
 
     args = argparse.Namespace(
         knobs='{"sticky_budget_tokens": 512}',
-        variants='{"fit": {"decode_cost_tokens": 96}}',
+        variants='{"fit": {"decode_cost_tokens": 96}, "b32": {"max_ongoing_requests": 32}}',
         epsilon=0.25,
     )
     assert run_knobs(args, "prefill_cost") == ("prefill_cost", {"sticky_budget_tokens": 512})
@@ -143,9 +144,9 @@ def test_a_variant_runs_its_policy_with_its_own_knobs_and_a_wrong_one_fails_firs
         "ray_llm:ours",
         {"sticky_budget_tokens": 512, "decode_cost_tokens": 96},
     )
-    policies = ["prefill_cost", "prefill_cost+nostore@fit", "ray_llm:ours@fit", "ray_llm:kv"]
-    check_variants(args, policies, drop_in=is_drop_in)
-    check_ray_llm_policies(policies)
+    policies = ["prefill_cost", "prefill_cost+nostore@fit", "ray_llm:ours@fit", "ray_llm:kv@b32"]
+    check_variants(args, policies, peer=is_ray_llm)
+    check_ray_llm_policies(args, policies)
     with pytest.raises(ValueError, match="no variant 'fitt'"):
         check_variants(args, ["prefill_cost@fitt"])
     with pytest.raises(ValueError, match="no field"):
@@ -153,8 +154,8 @@ def test_a_variant_runs_its_policy_with_its_own_knobs_and_a_wrong_one_fails_firs
             argparse.Namespace(knobs=None, variants=args.variants, epsilon=0.25),
             ["round_robin@fit"],
         )
-    with pytest.raises(ValueError, match="Ray's routers take none"):
-        check_ray_llm_policies(["ray_llm:kv@fit"])
+    with pytest.raises(ValueError, match="Ray's take none"):
+        check_ray_llm_policies(args, ["ray_llm:kv@fit"])
 
 
 def test_repeated_runs_report_one_p99_of_all_their_requests() -> None:

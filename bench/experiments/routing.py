@@ -32,7 +32,6 @@ from bench.experiments.routing_args import (
 )
 from bench.experiments.routing_ray_llm import (
     check_ray_llm_policies,
-    is_drop_in,
     is_ray_llm,
     run_ray_llm_policy,
 )
@@ -65,8 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out = args.out or Path(f"results/routing-{args.workload}")
     policies = [p for p in args.policies.split(",") if p]
-    check_ray_llm_policies(policies)
-    check_variants(args, policies, drop_in=is_drop_in)
+    check_ray_llm_policies(args, policies)
+    check_variants(args, policies, peer=is_ray_llm)
     engine = experiment_engine(args)
     python = args.vllm_python.absolute() if engine.backend == "vllm" else None
     hasher, tokenizer = engine.block_hasher(), checkpoint_for(engine.model).tokenizer()

@@ -82,19 +82,19 @@ def run_knobs(args: argparse.Namespace, policy: str) -> tuple[str, dict[str, Any
 def check_variants(
     args: argparse.Namespace,
     policies: list[str],
-    drop_in: Callable[[str], bool] = lambda name: False,
+    peer: Callable[[str], bool] = lambda name: False,
 ) -> None:
-    """Before the first run: ``--knobs`` are fields of some policy of the run, each
-    ``@variant`` is named in ``--variants`` and its knobs are fields of its own policy
-    (a ``drop_in`` name, Ray Serve LLM with our router, is ``prefill_cost``)."""
+    """Before the first run: ``--knobs`` are fields of some policy of the run (``peer``
+    names, Ray Serve LLM's apps, are checked by their own runner), each ``@variant`` is
+    named in ``--variants`` and its knobs are fields of its own policy."""
     variants = json.loads(args.variants) if args.variants else {}
     names = [split_variant(p, variants)[0] for p in policies]
-    ours = ["prefill_cost" if drop_in(n) else n for n in names]
+    ours = [n for n in names if not peer(n)] or ["prefill_cost"]  # the drop-in's knobs
     check_knobs(ours, json.loads(args.knobs) if args.knobs else {}, args.epsilon)
     for policy, name in zip(policies, names, strict=True):
         extra = split_variant(policy, variants)[1]
-        if extra:
-            check_knobs(["prefill_cost" if drop_in(name) else name], extra, args.epsilon)
+        if extra and not peer(name):
+            check_knobs([name], extra, args.epsilon)
 
 
 def split_mirror(name: str) -> tuple[str, bool | None]:

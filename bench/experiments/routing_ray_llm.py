@@ -15,10 +15,11 @@ read through Ray's metrics agent.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
-from bench.experiments.routing_args import run_knobs
+from bench.experiments.routing_args import check_knobs, run_knobs, split_variant
 from bench.loadgen import drive, progress_printer, warm_up
 from bench.peers.engines import ensure_vllm_venv
 from bench.peers.ray_llm_stack import ray_llm
@@ -29,22 +30,28 @@ from replica.vllm.args import vllm_kwargs
 
 PREFIX = "ray_llm:"
 ROUTERS = ("kv", "prefix", "pow2", "ours")
+# what a variant may set on Ray Serve LLM's deployment, whatever its router: requests a
+# replica takes at once (Ray Serve LLM's default is unbounded, 1e9; this harness gives 64)
+DEPLOYMENT_KNOBS = ("max_ongoing_requests",)
 
 
 def is_ray_llm(policy: str) -> bool:
     return policy.startswith(PREFIX)
 
 
-def check_ray_llm_policies(policies: list[str]) -> None:
-    """Before the first run: a variant (``@name``: knobs) only of our router, the drop-in."""
+def check_ray_llm_policies(args: argparse.Namespace, policies: list[str]) -> None:
+    """Before the first run: a variant of Ray Serve LLM's app sets its deployment
+    (``DEPLOYMENT_KNOBS``) for any router, and routing knobs only for ours (the drop-in,
+    ``prefill_cost``'s fields)."""
+    variants = json.loads(args.variants) if args.variants else {}
     for policy in policies:
-        if is_ray_llm(policy) and "@" in policy and not policy.startswith(f"{PREFIX}ours@"):
-            raise ValueError(f"{policy}: a variant's knobs are ours; Ray's routers take none")
-
-
-def is_drop_in(name: str) -> bool:
-    """Ray Serve LLM with our router: its knobs are ``prefill_cost``'s."""
-    return name == f"{PREFIX}ours"
+        if not is_ray_llm(policy):
+            continue
+        name, extra = split_variant(policy, variants)
+        routing = {k: v for k, v in extra.items() if k not in DEPLOYMENT_KNOBS}
+        if routing and name != f"{PREFIX}ours":
+            raise ValueError(f"{policy}: {sorted(routing)} are our router's; Ray's take none")
+        check_knobs(["prefill_cost"], routing, args.epsilon)
 
 
 def peer_engine_kwargs(engine: EngineConfig) -> dict[str, Any]:
@@ -69,6 +76,7 @@ def run_ray_llm_policy(
     router = name.removeprefix(PREFIX)
     if engine.backend != "vllm" or router not in ROUTERS or int(args.replicas) != 2:
         raise ValueError(f"{policy}: needs --backend vllm, 2 replicas, a router of {ROUTERS}")
+    deployment = {k: knobs.pop(k) for k in DEPLOYMENT_KNOBS if k in knobs}
     knobs = knobs if router == "ours" else {}  # Ray's routers have none of ours
     # Ray Serve LLM and Dynamo's selection service beside vLLM (installed once, if missing)
     python = ensure_vllm_venv(args.vllm_python.absolute().parent.parent, stack=True)
@@ -76,7 +84,7 @@ def run_ray_llm_policy(
     kwargs = peer_engine_kwargs(engine)
     try:
         stack = ray_llm(python, args.hf_model.resolve(), work_dir, False, router=router,
-                        engine_kwargs=kwargs, routing=knobs)  # fmt: skip
+                        engine_kwargs=kwargs, routing=knobs, **deployment)  # fmt: skip
         with stack as running:
             warm_up(running.base_url, engine.model_id, int(args.replicas), timeout_s=120)
             before = running.cache_counters()

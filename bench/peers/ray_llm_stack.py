@@ -58,6 +58,7 @@ def ray_llm(
     router: str = "prefix",
     engine_kwargs: dict[str, Any] | None = None,
     routing: dict[str, Any] | None = None,
+    max_ongoing_requests: int | None = None,
 ) -> Iterator[Running]:
     """Ray Serve LLM in vLLM's virtualenv, in the dtype ``make serve``'s cluster serves on
     this CPU (``dtype: auto``); cold: an empty vLLM/inductor compile cache. What stopping
@@ -66,7 +67,8 @@ def ray_llm(
     path on which its ingress hands the router token ids; ``ours`` gets a redis-server of
     its own for the index). ``engine_kwargs``: vLLM engine arguments on top (a ``dtype``
     among them replaces the one ``auto`` picks). ``routing``: router ``ours``'s routing
-    fields (``RoutingConfig``: its cost model's knobs)."""
+    fields (``RoutingConfig``: its cost model's knobs). ``max_ongoing_requests``: per
+    replica (``ray_serve_llm.py``'s default, 64, when None)."""
     cache = work_dir / "ray-llm-cache"
     if cold:
         shutil.rmtree(cache, ignore_errors=True)
@@ -86,6 +88,9 @@ def ray_llm(
     if routing:
         flags.append(f"--routing={json.dumps(routing)}")
         given["routing"] = routing
+    if max_ongoing_requests is not None:
+        flags.append(f"--max-ongoing-requests={max_ongoing_requests}")
+        given["max_ongoing_requests"] = max_ongoing_requests
     with (
         shm_sweep() as sweep,
         LocalRedis() as redis,
