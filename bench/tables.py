@@ -4,7 +4,7 @@
 (ours next to vLLM, or without peers how close ours came to the machine), a ``stack`` run
 (our cluster next to Ray Serve LLM), a ``speculation`` run (drafts on and off, one engine
 next to vLLM's ``ngram``, or the whole cluster), a ``tracing`` run (tracing off and on)
-or a ``tenants`` run (each mode, phase and tenant),
+a ``tenants`` run (each mode, phase and tenant) or a ``routing`` run (each policy on one trace),
 with the commit and CPU it measured. The README places each table after a marker naming its file
 (``<!-- table: docs/results/<run>.json -->``), and ``tests/test_results_tables.py`` checks
 that every such table is exactly what this prints: a table cannot drift from its run.
@@ -206,7 +206,11 @@ def render(path: Path, name: str | None = None) -> str:
     """The table of the run kept at ``path`` (cited as ``name``, else the path as given),
     and the line naming what it measured."""
     run = json.loads(path.read_text())
-    if run.get("experiment") == "moves":
+    if run.get("workload", {}).get("experiment") == "routing":
+        from bench.experiments.routing_report import routing_table
+
+        table = routing_table(run)
+    elif run.get("experiment") == "moves":
         from bench.experiments.moves_report import moves_table
 
         table = moves_table(run)

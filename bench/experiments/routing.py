@@ -39,6 +39,7 @@ from bench.harness.launcher import ServeCluster, cluster_env
 from bench.harness.private_ray import PrivateRay
 from bench.harness.redis_server import LocalRedis
 from bench.loadgen import drive, progress_printer, warm_up
+from bench.peers.host import provenance
 from bench.report import combine, slug, summarize, write_report
 from bench.workloads import TraceRequest, oracle_hit_rate, save_trace
 from cluster.config import ClusterArgs
@@ -70,6 +71,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     python = args.vllm_python.absolute() if engine.backend == "vllm" else None
     hasher, tokenizer = engine.block_hasher(), checkpoint_for(engine.model).tokenizer()
     payload: dict[str, Any] = {
+        "provenance": provenance(),  # the commit and CPU, read before the runs
         "title": f"Routing policies on the real cluster: {args.workload}, {args.replicas} replicas",
         "workload": vars(args) | {"out": str(out), "trace": str(args.trace)},
         "runs": {},
