@@ -92,6 +92,10 @@ bench: install install-vllm
 	    --policies prefill_cost,ray_llm:ours,ray_llm:kv,ray_llm:prefix,ray_llm:pow2 \
 	    --workload multi_tenant --tenants 8 --zipf 2.0 --requests 160 --rates 5 \
 	    --out results/routing-vllm-raylm-hot_tenant
+	$(PY) -m bench routing --backend vllm --num-blocks 320 --repeats 3 \
+	    --policies prefill_cost,ray_llm:ours,ray_llm:kv \
+	    --workload multi_tenant --tenants 8 --zipf 2.0 --requests 160 --rates 5 \
+	    --out results/routing-vllm-raylm-hot_tenant-s66
 	$(PY) -m bench routing --backend vllm --num-blocks 320 --repeats 2 \
 	    --policies prefill_cost,ray_llm:ours,ray_llm:kv,ray_llm:prefix,ray_llm:pow2 \
 	    --workload multi_turn --conversations 12 --requests 120 --rates 1.5 \
