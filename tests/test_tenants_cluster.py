@@ -5,9 +5,11 @@ keys of three tenants at different priorities, driven by the ``openai`` SDK.
 Requests submitted together reach the ingress in no exact order and run for tens of
 milliseconds each, so the checks ask for what only a priority queue gives (a request sent
 after six others finishes among the first three), not for an exact sequence; without the
-fair queue (arrival order) it would finish last. The cluster lends one express slot
-(``fair_queue.express_slots``, the default): the chat request, above the batch requests'
-priority, starts on it at once; the batch tenant, over its share, is never lent it.
+fair queue (arrival order) it would finish last. The late requests are sent once the
+earlier ones are at the ingress (its own metrics say so), so arrival order is known. The
+cluster lends one express slot (``fair_queue.express_slots``, the default): the chat
+request, above the batch requests' priority, starts on it at once; the batch tenant, over
+its share, is never lent it.
 """
 
 from __future__ import annotations
@@ -57,10 +59,28 @@ def client(cluster: ServeCluster, tenant: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{cluster.base_url}/v1", api_key=key, max_retries=0)
 
 
+def _batch_arrived(cluster: ServeCluster) -> float:
+    """The batch tenant's requests that reached the ingress's queue so far: waiting there,
+    or gone on to a slot (counted by the queue-wait histogram)."""
+    text = httpx.get(
+        f"{cluster.base_url}/metrics", headers={"authorization": "Bearer sk-chat"}, timeout=10
+    ).text
+    names = (
+        'prefix_serve_tenant_queued_requests{tenant="batch"}',
+        'prefix_serve_tenant_queue_wait_seconds_count{priority="0",tenant="batch"}',
+    )
+    samples = [line.split() for line in text.splitlines() if line.startswith("prefix_serve_")]
+    values = {sample[0]: float(sample[1]) for sample in samples}
+    return sum(values.get(name, 0.0) for name in names)
+
+
 async def _finish_order(cluster: ServeCluster) -> list[str]:
-    """Six batch requests, then (50 ms later) a batch request claiming priority 9 in a header
-    and a chat request: the order in which they finished."""
+    """Six batch requests, then (once all six are at the ingress) a batch request claiming
+    priority 9 in a header and a chat request: the order in which they finished. Waiting
+    for the six, not a fixed 50 ms: on a loaded host one of them reached the ingress after
+    the late batch request, which the queue then rightly served first (a CI run saw it)."""
     order: list[str] = []
+    before = await asyncio.to_thread(_batch_arrived, cluster)
 
     async def one(name: str, tenant: str, headers: dict[str, str] | None = None) -> None:
         await client(cluster, tenant).completions.create(
@@ -73,7 +93,10 @@ async def _finish_order(cluster: ServeCluster) -> list[str]:
         order.append(name)
 
     batch = [asyncio.create_task(one(f"batch{i}", "batch")) for i in range(6)]
-    await asyncio.sleep(0.05)
+    deadline = time.monotonic() + 15
+    while await asyncio.to_thread(_batch_arrived, cluster) - before < 6:
+        assert time.monotonic() < deadline, "the six batch requests never reached the ingress"
+        await asyncio.sleep(0.01)
     late = [
         asyncio.create_task(one("claims9", "batch", {"x-priority": "9"})),
         asyncio.create_task(one("chat", "chat")),
