@@ -59,18 +59,23 @@ def client(cluster: ServeCluster, tenant: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{cluster.base_url}/v1", api_key=key, max_retries=0)
 
 
-def _batch_arrived(cluster: ServeCluster) -> float:
-    """The batch tenant's requests that reached the ingress's queue so far: waiting there,
-    or gone on to a slot (counted by the queue-wait histogram)."""
+def _metrics(cluster: ServeCluster) -> tuple[str, dict[str, float]]:
+    """The ingress's ``/metrics`` text, and its tenant samples by series."""
     text = httpx.get(
         f"{cluster.base_url}/metrics", headers={"authorization": "Bearer sk-chat"}, timeout=10
     ).text
+    samples = [line.split() for line in text.splitlines() if line.startswith("prefix_serve_")]
+    return text, {sample[0]: float(sample[1]) for sample in samples}
+
+
+def _batch_arrived(cluster: ServeCluster) -> float:
+    """The batch tenant's requests that reached the ingress's queue so far: waiting there,
+    or gone on to a slot (counted by the queue-wait histogram)."""
     names = (
         'prefix_serve_tenant_queued_requests{tenant="batch"}',
         'prefix_serve_tenant_queue_wait_seconds_count{priority="0",tenant="batch"}',
     )
-    samples = [line.split() for line in text.splitlines() if line.startswith("prefix_serve_")]
-    values = {sample[0]: float(sample[1]) for sample in samples}
+    values = _metrics(cluster)[1]
     return sum(values.get(name, 0.0) for name in names)
 
 
@@ -163,9 +168,7 @@ def test_metrics_count_each_tenants_tokens_and_refusals(cluster: ServeCluster) -
             )
 
     asyncio.run(twice())
-    text = httpx.get(
-        f"{cluster.base_url}/metrics", headers={"authorization": "Bearer sk-chat"}, timeout=10
-    ).text
+    text, values = _metrics(cluster)
     assert 'prefix_serve_tenant_charged_tokens_total{tenant="batch"}' in text
     assert 'prefix_serve_tenant_charged_tokens_total{tenant="chat"}' in text
     assert (
@@ -175,11 +178,6 @@ def test_metrics_count_each_tenants_tokens_and_refusals(cluster: ServeCluster) -
     assert 'prefix_serve_tenant_express_requests_total{tenant="chat"} 1.0' in text
     assert 'prefix_serve_tenant_express_requests_total{tenant="batch"}' not in text
     assert 'prefix_serve_tenant_rejected_requests_total{reason="requests",tenant="metered"}' in text
-    values = {
-        line.split()[0]: float(line.split()[1])
-        for line in text.splitlines()
-        if line.startswith("prefix_serve_tenant_")
-    }
     assert values['prefix_serve_tenant_ttft_seconds_count{tenant="chat"}'] >= 1
     prompt = {k.split('"')[1]: v for k, v in values.items() if "_tenant_prompt_tokens_total" in k}
     cached = {

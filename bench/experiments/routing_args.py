@@ -71,12 +71,17 @@ def split_variant(name: str, variants: dict[str, dict[str, Any]]) -> tuple[str, 
     return base, variants[variant]
 
 
+def json_option(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """A JSON-object option (``--knobs``, ``--variants``) as a dict ({} when not given)."""
+    text = getattr(args, name, None)
+    return json.loads(text) if text else {}
+
+
 def run_knobs(args: argparse.Namespace, policy: str) -> tuple[str, dict[str, Any]]:
     """The policy's name without its variant, and the knobs its runs take: ``--knobs``,
     then the variant's on top."""
-    variants = json.loads(args.variants) if getattr(args, "variants", None) else {}
-    name, extra = split_variant(policy, variants)
-    return name, (json.loads(args.knobs) if args.knobs else {}) | extra
+    name, extra = split_variant(policy, json_option(args, "variants"))
+    return name, json_option(args, "knobs") | extra
 
 
 def check_variants(
@@ -87,12 +92,11 @@ def check_variants(
     """Before the first run: ``--knobs`` are fields of some policy of the run (``peer``
     names, Ray Serve LLM's apps, are checked by their own runner), each ``@variant`` is
     named in ``--variants`` and its knobs are fields of its own policy."""
-    variants = json.loads(args.variants) if args.variants else {}
-    names = [split_variant(p, variants)[0] for p in policies]
-    ours = [n for n in names if not peer(n)] or ["prefill_cost"]  # the drop-in's knobs
-    check_knobs(ours, json.loads(args.knobs) if args.knobs else {}, args.epsilon)
-    for policy, name in zip(policies, names, strict=True):
-        extra = split_variant(policy, variants)[1]
+    variants = json_option(args, "variants")
+    split = [split_variant(p, variants) for p in policies]
+    ours = [name for name, _ in split if not peer(name)] or ["prefill_cost"]  # the drop-in's
+    check_knobs(ours, json_option(args, "knobs"), args.epsilon)
+    for name, extra in split:
         if extra and not peer(name):
             check_knobs([name], extra, args.epsilon)
 

@@ -15,11 +15,10 @@ read through Ray's metrics agent.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
-from bench.experiments.routing_args import check_knobs, run_knobs, split_variant
+from bench.experiments.routing_args import check_knobs, json_option, run_knobs, split_variant
 from bench.loadgen import drive, progress_printer, warm_up
 from bench.peers.engines import ensure_vllm_venv
 from bench.peers.ray_llm_stack import ray_llm
@@ -43,7 +42,7 @@ def check_ray_llm_policies(args: argparse.Namespace, policies: list[str]) -> Non
     """Before the first run: a variant of Ray Serve LLM's app sets its deployment
     (``DEPLOYMENT_KNOBS``) for any router, and routing knobs only for ours (the drop-in,
     ``prefill_cost``'s fields)."""
-    variants = json.loads(args.variants) if args.variants else {}
+    variants = json_option(args, "variants")
     for policy in policies:
         if not is_ray_llm(policy):
             continue
