@@ -220,6 +220,8 @@ def test_the_openapi_document_is_truthful(cluster: ServeCluster) -> None:
             f"Authorization: Bearer {KEYS[0]}",
             "--max-response-time",
             "30",
+            "--workers",
+            "2",
         ],
         env={**os.environ, "SCHEMATHESIS_HOOKS": str(HOOKS)},
         capture_output=True,

@@ -20,6 +20,7 @@ import random
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -157,13 +158,17 @@ def test_a_served_prompt_is_in_the_index_under_our_hashes(
 def test_a_random_trace_leaves_the_index_equal_to_vllms_cache(
     cluster: ServeCluster, client: openai.OpenAI
 ) -> None:
-    """200 requests (shared prefixes, evictions, dropped event batches), then every probe's
-    hit as the index predicts it is the hit vLLM reports."""
+    """200 requests (shared prefixes, evictions, dropped event batches), 4 at a time (each
+    engine batches, and its events come in bursts), then every probe's hit as the index
+    predicts it is the hit vLLM reports."""
     rng = random.Random(7)
     prefixes = [random_prompt(rng, rng.randint(2, 8)) for _ in range(10)]
-    for _ in range(200):
-        prompt = rng.choice(prefixes) + random_prompt(rng, 0, tail=rng.randint(1, 60))
-        complete(client, prompt, max_tokens=rng.randint(1, 4))
+    trace = [
+        (rng.choice(prefixes) + random_prompt(rng, 0, tail=rng.randint(1, 60)), rng.randint(1, 4))
+        for _ in range(200)
+    ]
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda sent: complete(client, *sent), trace))
     stats = cluster.stats()["replicas"].values()
     assert sum(r["evictions"] for r in stats) > 0  # the pools were too small to keep all
     assert sum(r["kv_events_gaps"] for r in stats) >= 1  # the dropped batches were noticed
