@@ -239,3 +239,32 @@ def test_tracing_pairs_each_repeats_rounds_and_judges_the_target_on_their_ratios
     table = tracing_table({"summary": tracing.summary(runs), "target": tracing.TARGET})
     assert "| <= 1.03: not met |" in table and "| >= 0.97: met |" in table
     assert "| spans received per request | 0.0 | 12.0 | | |" in table
+
+
+def test_tails_split_each_run_at_the_head_and_find_its_slowest_request(tmp_path: Path) -> None:
+    """``bench.tails`` on a run folder as ``bench routing --out`` writes it: a burst in the
+    first seconds is apart from the rest, per run, and a head that leaves a part empty is
+    refused."""
+    from bench.tails import tails
+    from bench.workloads import TraceRequest, save_trace
+
+    arrivals = [0.1 * i for i in range(20)] + [3.0 + i for i in range(80)]
+    save_trace(
+        tmp_path / "trace-rate_4_s.jsonl",
+        [TraceRequest(f"r{i}", at, "p", 4) for i, at in enumerate(arrivals)],
+    )
+
+    def rows(head_ttft: float) -> list[list]:  # the head's requests slow, the rest 0.5 s
+        return [
+            [f"r{i}", "a", 200, head_ttft if at < 3.0 else 0.5 + 0.01 * (i % 10), 10, 0]
+            for i, at in enumerate(arrivals)
+        ] + [["r-failed", "a", 503, None, 10, 0]]
+
+    requests = {"rate 4/s": {"ours": [rows(2.0), rows(1.0)]}}
+    (tmp_path / "requests.json").write_text(json.dumps(requests))
+    (first, second) = tails(tmp_path, 3.0)["rate 4/s"]
+    assert (first.run, first.head, first.head_max_s, first.slowest_arrival_s) == (0, 20, 2.0, 0.0)
+    assert second.head_max_s == 1.0
+    assert first.rest_max_s == pytest.approx(0.59) and first.rest_p50_s == pytest.approx(0.545)
+    with pytest.raises(ValueError, match="leaves a part empty"):
+        tails(tmp_path, 100.0)
