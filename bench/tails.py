@@ -4,8 +4,9 @@ A TTFT p99 over 120 requests is, within a hair, the run's second-slowest request
 burst decides it. This splits every run of every policy (``bench routing --out``: its
 ``requests.json`` and ``trace-<section>.jsonl``) at ``--head-s`` seconds of the trace:
 the requests that arrived before (a trace's start, where every tenant or conversation is
-new and every prompt a full prefill) and those after, with the TTFT p50, p99 and maximum
-of each part and the arrival of the run's slowest request. Prints a Markdown table per
+new and every prompt a full prefill) and those after: the TTFT p99 and maximum of the
+first part, the p50, p99 and maximum of the second, and the arrival of the run's slowest
+request. Prints a Markdown table per
 section, and with ``--json`` the numbers.
 """
 
