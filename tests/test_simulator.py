@@ -12,7 +12,8 @@ import torch
 from conftest import tiny
 
 from bench.__main__ import run as run_bench
-from bench.experiments.simulate import PEERS, parse_seeds, sim_policy
+from bench.experiments.seeds import parse_seeds
+from bench.experiments.simulate import PEERS, sim_policy
 from bench.sim import cost_model
 from bench.sim.cost_model import Clock, CostModel, calibrate
 from bench.sim.simulator import Simulation

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,8 +32,10 @@ from bench.experiments.routing_args import (
     split_store,
     traces,
 )
-from bench.report import combine, summarize, write_report
+from bench.experiments.seeds import over_seeds, parse_seeds
+from bench.report import summarize, write_report
 from bench.sim.cost_model import DEFAULT_CALIBRATION, CostModel, calibrate
+from bench.sim.pace import matched
 from bench.sim.peer_policies import DynamoKV, RayPrefixSim, SGLangCacheAware
 from bench.sim.simulator import Simulation
 from bench.workloads import TraceRequest, fast_engine, oracle_hit_rate
@@ -91,6 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--replicas-per-node", type=int, default=8)
     parser.add_argument(
+        "--speed-of",
+        type=Path,
+        help="a real routing run's results (folder or results.json) on this trace: scale the "
+        "cost model to its ITL p50 (bench.sim.pace)",
+    )
+    parser.add_argument(
         "--seeds",
         help="run the traces of several seeds (1-8, or 1,3,5) and report each policy's "
         "median, spread and means over them (--seed is then ignored)",
@@ -112,6 +119,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.seeds and args.trace is not None:
         raise ValueError("--seeds generates a trace per seed; a --trace file has none")
     tokenizer = checkpoint_for(engine.model).tokenizer()
+    speed = None
+    if args.speed_of is not None:  # one probe run at the calibration, on the first count
+
+        def probe(at: CostModel) -> dict[str, dict[str, Any]]:
+            sections = _runs(args, counts[0], policies, engine, at, tokenizer)
+            return next(iter(sections.values()))[1]
+
+        cost, speed = matched(cost, args.speed_of, probe)
     payload: dict[str, Any] = {
         "title": f"Simulated cluster: {args.workload}",
         "workload": vars(args) | {"out": str(out)},
@@ -119,6 +134,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "runs": {},
         "oracle": {},
     }
+    if speed is not None:
+        payload["speed"] = speed
     started = time.monotonic()
     for replicas in counts:
         by_seed = [
@@ -127,7 +144,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ]
         for section in by_seed[0]:
             oracles = [runs[section][0] for runs in by_seed]
-            payload["oracle"][section] = statistics.mean(oracles)
+            payload["oracle"][section] = sum(oracles) / len(oracles)
             payload["runs"][section] = {
                 policy: over_seeds(seeds, [runs[section][1][policy] for runs in by_seed])
                 for policy in policies
@@ -169,38 +186,6 @@ def _runs(
 
 def _seeded(args: argparse.Namespace, seed: int) -> argparse.Namespace:
     return argparse.Namespace(**vars(args) | {"seed": seed})
-
-
-def parse_seeds(text: str) -> list[int]:
-    """``1-8`` or ``1,3,5`` (or both: ``1-4,9``) -> the seeds, in order."""
-    seeds: list[int] = []
-    for part in text.split(","):
-        first, dash, last = part.partition("-")
-        seeds += range(int(first), int(last) + 1) if dash else [int(first)]
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds {text!r}: no seed, or one twice")
-    return seeds
-
-
-SEED_MEANS = ("hit_rate_usage", "hit_rate_engine", "ttft_p99_s", "work_imbalance")
-
-
-def over_seeds(seeds: list[int], runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One policy's runs on the traces of several seeds as one (``report.combine``: the
-    median of each number, min-max spreads, TTFT pooled), with each headline's mean over
-    the seeds (``seed_means``: what a seed-to-seed comparison of policies is judged by)
-    and the hit rate of every seed (``hit_rate_by_seed``)."""
-    if len(runs) == 1:
-        return runs[0]
-    merged = combine(runs)
-    ok = {s: r for s, r in zip(seeds, runs, strict=True) if "error" not in r}
-    if not ok:
-        return merged
-    merged["seed_means"] = {
-        key: statistics.mean(r[key] for r in ok.values()) for key in SEED_MEANS if key in merged
-    }
-    merged["hit_rate_by_seed"] = {str(s): r["hit_rate_usage"] for s, r in ok.items()}
-    return merged
 
 
 def _scaled(args: argparse.Namespace, replicas: int) -> argparse.Namespace:
