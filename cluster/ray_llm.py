@@ -34,6 +34,11 @@ and routes as our cluster's does (``router.serve.router.PrefixAwareRequestRouter
   booking whose end was lost (the reports are best-effort) expires after
   ``routing.booking_ttl_s``.
 
+Ray's app names no replica for a request anywhere (no response header, no access-log
+field), so this router logs each decision at INFO in the ingress replica's log:
+``routed <request id> to <replica>: <policy's reason, with each replica's cost>``; the
+request id is the client's ``x-request-id`` where it sent one.
+
 What differs from our own cluster: a request with a ``cache_salt`` is hashed without it (a
 miss, never a wrong hit); a gap that vLLM's replay buffer no longer covers clears the
 replica's entry and its lost chains stay unpublished until they are evicted (this router
@@ -138,6 +143,9 @@ class RayLLMPrefixRouter(PrefixAwareRequestRouter, KVAwareRouter):
         self.stats.record_routed(first)
         self.book(request.request_id, first)
         self._booked_at[request.request_id] = time.monotonic()
+        # one line per decision, as Serve's access log has one per request: Ray's app says
+        # nowhere else which replica a request went to, or why
+        log.info("routed %s to %s: %s", request.request_id, first, pending.reason)
 
     def _expire(self, now: float) -> None:
         """Release the bookings whose end never came (lost reports)."""

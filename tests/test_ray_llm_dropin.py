@@ -16,6 +16,7 @@ prompt; a router that chose blind would miss about half of them.
 from __future__ import annotations
 
 import random
+import re
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +44,15 @@ ENGINE = {  # small and eager: starts in about a minute
     "enforce_eager": True,
     "dtype": "float32",
 }
+
+
+NEW_ID = "dropin-new-{}"  # the six new prompts' x-request-id (Ray's request id)
+ROUTED = re.compile(r"routed (\S+) to (\S+): ")
+
+
+def _logged_routes(log: Path) -> dict[str, str]:
+    """Request id -> the replica the router chose, from its log lines in Ray's output."""
+    return {m[1]: m[2] for m in ROUTED.finditer(log.read_text(errors="replace"))}
 
 
 def _held(index: IndexReader, chain: list[bytes], timeout_s: float = 30.0) -> dict[str, int]:
@@ -88,13 +98,17 @@ def test_ray_serve_llm_with_our_router_sends_every_repeat_to_its_holder(tmp_path
     with ray_llm(python, folder, tmp_path, False, router="ours", engine_kwargs=ENGINE) as stack:
         client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0)
 
-        def serve(prompt: list[int], max_tokens: int = 8) -> None:
+        def serve(prompt: list[int], max_tokens: int = 8, request_id: str = "") -> None:
             client.completions.create(
-                model=SMOLLM2, prompt=prompt, max_tokens=max_tokens, temperature=0
+                model=SMOLLM2,
+                prompt=prompt,
+                max_tokens=max_tokens,
+                temperature=0,
+                extra_headers={"x-request-id": request_id} if request_id else None,
             )
 
         def serve_long(prompt: list[int]) -> None:  # outlives the routers' 0.5 s share
-            serve(prompt, 64)
+            serve(prompt, 64, NEW_ID.format(prompts.index(prompt)))
 
         config = IndexConfig(url=stack.notes["index_url"], cluster="ray-llm")
         index = IndexReader(config, CHAIN_ROOT)
@@ -128,9 +142,15 @@ def test_ray_serve_llm_with_our_router_sends_every_repeat_to_its_holder(tmp_path
     queried, hits = (a - b for a, b in zip(after, before, strict=True))
     assert queried == len(prompts) * (BLOCKS * BLOCK + 5)  # vLLM counts prompt tokens
     assert hits == len(prompts) * BLOCKS * BLOCK  # every repeat found all of its blocks
+    # the router logs every decision (Ray's app names no replica per request): each new
+    # prompt's line names the replica that then held it, unless Ray sent it elsewhere
+    logged = _logged_routes(tmp_path / "ray-llm-serve.log")
+    routed = [logged.get(NEW_ID.format(i)) for i in range(len(prompts))]
+    assert None not in routed, logged
     per_replica = Counter(next(iter(h)) for h in held)
     # six equal new prompts at once: each booked where it went, the next one sees that load
     # (unbooked, all six went to one replica). Not always 3/3: a prompt whose first token
     # was reported before a later one was ranked weighs only its decode there (a CI run
     # on a loaded host split them 4/2), so the check is that neither replica took five
-    assert len(per_replica) == 2 and max(per_replica.values()) <= 4, per_replica
+    went = [next(iter(h)) for h in held]
+    assert len(per_replica) == 2 and max(per_replica.values()) <= 4, (per_replica, routed, went)
