@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--seeds generates a trace per seed; a --trace file has none")
     tokenizer = checkpoint_for(engine.model).tokenizer()
     speed = None
-    if args.speed_of is not None:  # one probe run at the calibration, on the first count
+    if args.speed_of is not None:  # probe runs on the first count, until the ITLs match
 
         def probe(at: CostModel) -> dict[str, dict[str, Any]]:
             sections = _runs(args, counts[0], policies, engine, at, tokenizer)
