@@ -16,7 +16,7 @@ from replica.config import EngineConfig
 from replica.move_config import MoveConfig
 from replica.pull_config import PullConfig
 from replica.store.config import StoreConfig
-from router.config import PrefillCostRouting, RoutingConfig
+from router.config import PrefillCostRouting, RoutingConfig, for_vllm
 
 
 class Autoscaling(BaseModel):
@@ -171,6 +171,8 @@ class ClusterArgs(BaseModel):
                 "engine.backend vllm: set pull.enabled and store.enabled to false (pulls and "
                 "the node store hold the native engine's KV blocks only)"
             )
+        if self.engine.backend == "vllm":
+            self.routing = for_vllm(self.routing)
         return self
 
     @property

@@ -66,6 +66,7 @@ from kvindex.writer import IndexWriter
 from replica.publisher import IndexPublisher
 from replica.vllm.bridge import KVEventBridge
 from replica.vllm.events import EventSubscriber
+from router.config import for_vllm, routing_config
 from router.serve.router import PrefixAwareRequestRouter
 
 log = logging.getLogger("ray.serve")
@@ -104,7 +105,8 @@ class RayLLMPrefixRouter(PrefixAwareRequestRouter, KVAwareRouter):
     def initialize_state(  # type: ignore[override]
         self, routing: dict[str, Any] | None = None, index: dict[str, Any] | None = None
     ) -> None:
-        super().initialize_state(routing=routing, model_id=MODEL_ID, index=index)
+        section = for_vllm(routing_config(**(routing or {}))).model_dump()  # vLLM's defaults
+        super().initialize_state(routing=section, model_id=MODEL_ID, index=index)
         self._feeds: dict[str, ReplicaFeed] = {}
         self._feeds_lock = threading.Lock()
         self._hasher: BlockHasher | None = None

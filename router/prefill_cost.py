@@ -39,6 +39,11 @@ in one rule set:
   routers make the same choice for the same new prefix, and different prefixes spread even
   when they share a system prompt longer than the affinity key's blocks (keyed by that, all
   of them would break every tie towards one replica).
+* **Hot prefixes** (``hot_half_life_requests``; ours alone): a prefix that more of the
+  recent requests share than its holders' part of the fleet (``router.prefix_demand``:
+  its share times the replicas exceeds its holders) goes to the least loaded replica
+  when that is not a holder, paying one recompute for a second copy before a burst
+  queues behind the one holder, not after.
 
 The ranking lists every replica, the chosen one first and then by cost, so a full replica
 spills to the next instead of making the request wait.
@@ -62,6 +67,7 @@ from router.policies import (
     cost_order,
     rendezvous_weights,
 )
+from router.prefix_demand import PrefixDemand
 from router.recent_work import HALF_LIFE_TOKENS, RecentWork
 
 EXPLAINED = 8  # replicas an explanation lists (the choice and the cheapest)
@@ -82,6 +88,7 @@ class CostKnobs:
     work_half_life_tokens: int = HALF_LIFE_TOKENS
     pull: PullPrices | None = None  # the replicas pull prefixes: price a pull, not a prefill
     store: StorePrices | None = None  # node stores: price a restore, not a prefill
+    hot_half_life_requests: int = 0  # > 0: replicate hot prefixes (router.prefix_demand)
 
 
 def tie_key(request: RoutingRequest, held_blocks: int) -> bytes:
@@ -122,6 +129,8 @@ class PrefillCost(RoutingPolicy):
     def __init__(self, knobs: CostKnobs = CostKnobs()) -> None:
         self.knobs = knobs
         self.recent_work = RecentWork(knobs.work_half_life_tokens)
+        half_life = knobs.hot_half_life_requests
+        self.demand = PrefixDemand(half_life) if half_life > 0 else None
         # the last decision: why, among how many, the first replicas ranked and their costs
         self._last: tuple[str, int, list[str], list[int]] = ("", 0, [], [])
 
@@ -179,6 +188,9 @@ class PrefillCost(RoutingPolicy):
             sticky = costs[holder] <= costs[by_cost[0]] + self.knobs.sticky_budget_tokens
             choice = holder if sticky else int(by_cost[0])
             reason = "sticky" if sticky else "spill"
+            copy = self._hot_copy(request, table, kept, holder, weights) if sticky else None
+            if copy is not None:
+                choice, reason = copy, "hot"
         else:
             load = costs + credits - lead_credit(request, kept)
             choice = self._new_prefix(request, table, load, weights)
@@ -195,6 +207,35 @@ class PrefillCost(RoutingPolicy):
         self, request: RoutingRequest, replica_id: str, work_tokens: int = 0, replicas: int = 1
     ) -> None:
         self.recent_work.record(replica_id, work_tokens, replicas)
+        if self.demand is not None:
+            self.demand.record(request.block_hashes)
+
+    def _hot_copy(
+        self,
+        request: RoutingRequest,
+        table: ReplicaTable,
+        kept: np.ndarray,
+        holder: int,
+        weights: np.ndarray,
+    ) -> int | None:
+        """The replica to copy a hot prefix onto, or None: the least loaded replica, when
+        it holds less of the prompt than the holder and is less loaded, and the prefix the
+        holder keeps (its run's last block) is shared by more of the recent requests than
+        its holders' part of the fleet (share x replicas > holders).
+
+        Load here is what the replica has to run, without this request's prompt: the
+        recompute is paid once, then both copies share the prefix's demand."""
+        if self.demand is None:
+            return None
+        holders = int(np.count_nonzero(kept >= kept[holder]))
+        share = self.demand.share(request.block_hashes[int(kept[holder]) - 1])
+        if share * len(table) <= holders:
+            return None
+        load = table.column("prefill_tokens") + self.knobs.decode_cost_tokens * table.column(
+            "in_flight"
+        )
+        best = int(cheapest(load, weights))
+        return best if kept[best] < kept[holder] and load[best] < load[holder] else None
 
     def _kept_blocks(self, table: ReplicaTable, held: np.ndarray) -> np.ndarray:
         """Leading blocks each replica has without recomputing or calling another replica:
