@@ -14,7 +14,8 @@ is handed nothing and routes nothing); it then also turns on each vLLM replica's
 (ZMQ over TCP, one port per replica on its node) and advertises where, with vLLM's block
 size, in the replica's routing stats (``kv_event_metadata``). This class is such a router,
 and routes as our cluster's does (``router.serve.router.PrefixAwareRequestRouter``: the
-``prefill_cost`` policy over the Redis index and its mirror):
+``prefill_cost`` policy over the Redis index and its mirror, with vLLM engines' defaults:
+``router.config.for_vllm``):
 
 * the prompt's chain is our hash chain of the token ids Ray's ingress forwarded (or of a
   completion's prompt the client sent as token ids, which Ray's ingress does not
