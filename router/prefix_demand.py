@@ -23,62 +23,53 @@ Nothing here does I/O.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
+from router.decayed import DecayedCounts
+
 HALF_LIFE_REQUESTS = 64  # where the knob is on by default (vLLM); a share settles in dozens
-RESCALE_AT = 2.0**16  # fold the factor back (and forget) every 16 half-lives
+RESCALE_AT = 2.0**16  # fold the decay back (and forget) every 16 half-lives
 FORGOTTEN = 1e-3  # a count decayed below this many requests is dropped at a rescale
 # shares are 0 until this many requests were counted: a trace's first requests are all
 # new prefixes, and a share of 2 requests in 3 says nothing yet
 MIN_REQUESTS = 16
+EVERY = b""  # the empty prefix, which every request carries: the count of all requests
 
 
 class PrefixDemand:
     """Block hash -> requests that carried it, decayed by the requests routed since.
 
-    Invariant: a count's decayed value is ``_counts[h] / _scale`` and the decayed number
-    of requests is ``_total / _scale``; every count is at most the total; ``_scale >= 1``.
-    """
+    Invariant: no block's count exceeds ``EVERY``'s, the count of all requests."""
 
     def __init__(self, half_life_requests: int = HALF_LIFE_REQUESTS) -> None:
         if half_life_requests < 1:
             raise ValueError("half_life_requests must be >= 1")
-        self._step = 2.0 ** (1.0 / half_life_requests)
-        self._counts: dict[bytes, float] = {}
-        self._total = 0.0
-        self._scale = 1.0
+        self.half_life_requests = half_life_requests
+        self.counts: DecayedCounts[bytes] = DecayedCounts(RESCALE_AT, FORGOTTEN)
         self._seen = 0  # requests counted, not decayed
 
     def __len__(self) -> int:
-        return len(self._counts)
+        """Blocks counted (not the total)."""
+        return max(0, len(self.counts) - 1)
 
     def record(self, block_hashes: Sequence[bytes]) -> None:
-        """One request routed with this chain: each of its blocks counts it once."""
-        self._scale *= self._step
-        weight = self._scale
-        counts = self._counts
-        for block in set(block_hashes):  # a chain never repeats a hash; a test's might
-            counts[block] = counts.get(block, 0.0) + weight
-        self._total += weight
+        """One request routed with this chain: each of its blocks counts it once (a chain
+        never repeats a hash: each covers every token before it)."""
+        self.counts.decay(1.0 / self.half_life_requests)
+        add = self.counts.add
+        for block in block_hashes:
+            add(block, 1.0)
+        add(EVERY, 1.0)
         self._seen += 1
-        if self._scale > RESCALE_AT:
-            self._rescale()
 
     def share(self, block_hash: bytes) -> float:
         """The share of recent requests whose prompt holds this block (0 to 1)."""
         if self._seen < MIN_REQUESTS:
             return 0.0
-        return self._counts.get(block_hash, 0.0) / self._total
-
-    def _rescale(self) -> None:
-        scale = self._scale
-        kept = ((h, c / scale) for h, c in self._counts.items())
-        self._counts = {h: c for h, c in kept if c >= FORGOTTEN}
-        self._total /= scale
-        self._scale = 1.0
+        return self.counts.value(block_hash) / self.counts.value(EVERY)
 
     def check(self) -> None:
-        assert self._scale >= 1.0 and math.isfinite(self._scale)
-        slack = 1e-9 * max(1.0, self._total)
-        assert all(0.0 < c <= self._total + slack for c in self._counts.values())
+        self.counts.check()
+        total = self.counts.value(EVERY)
+        slack = 1e-9 * max(1.0, total)
+        assert all(v <= total + slack for _, v in self.counts.items())

@@ -16,55 +16,47 @@ replica that joins late (score 0) takes new prefixes until it has done its share
 Each router counts only its own decisions (two ingress routers each see about half the
 traffic: each balances its half, so the sum balances); nothing here does I/O.
 
-Scores are kept scaled by a growing factor (``_scale``), so a decision costs O(1) and only
-the replicas compared are read; comparing scaled scores orders them as the decayed ones.
+The decay is ``router.decayed.DecayedCounts``: a decision costs O(1) and only the
+replicas compared are read.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
 
-RESCALE_AT = 1e200  # the factor is folded back into the scores before floats overflow
+from router.decayed import DecayedCounts
+
+RESCALE_AT = 1e200  # the decay's factor is folded back before floats overflow
 HALF_LIFE_TOKENS = 16384  # the default: about one conversation's life (docs/results.md)
 FORGOTTEN = 1e-6  # a score decayed below this many tokens is dropped at a rescale
 
 
 class RecentWork:
-    """Replica id -> tokens sent there to run, decayed by the work routed since.
-
-    Invariant: a replica's decayed score is ``_scores[rid] / _scale``; ``_scale >= 1``."""
+    """Replica id -> tokens sent there to run, decayed by the work routed since."""
 
     def __init__(self, half_life_tokens: int = HALF_LIFE_TOKENS) -> None:
         if half_life_tokens < 1:
             raise ValueError("half_life_tokens must be >= 1")
         self.half_life_tokens = half_life_tokens
-        self._scores: dict[str, float] = {}
-        self._scale = 1.0
+        self.scores: DecayedCounts[str] = DecayedCounts(RESCALE_AT, FORGOTTEN)
 
     def record(self, replica_id: str, tokens: int, replicas: int) -> None:
         """``tokens`` (prompt tokens to compute and output tokens) went to ``replica_id``,
         one of ``replicas`` live replicas: every score decays by that much work."""
         if tokens <= 0:
             return
-        self._scale *= 2.0 ** (tokens / (self.half_life_tokens * max(1, replicas)))
-        self._scores[replica_id] = self._scores.get(replica_id, 0.0) + tokens * self._scale
-        if self._scale > RESCALE_AT:  # and a replica gone for that long is forgotten
-            scores = ((rid, s / self._scale) for rid, s in self._scores.items())
-            self._scores = {rid: s for rid, s in scores if s >= FORGOTTEN}
-            self._scale = 1.0
+        self.scores.decay(tokens / (self.half_life_tokens * max(1, replicas)))
+        self.scores.add(replica_id, tokens)
 
     def score(self, replica_id: str) -> float:
         """The replica's decayed work, in tokens (0 for one never sent anything)."""
-        return self._scores.get(replica_id, 0.0) / self._scale
+        return self.scores.value(replica_id)
 
     def column(self, replica_ids: Sequence[str]) -> np.ndarray:
         """The scores of ``replica_ids`` in their order, scaled alike (for comparing)."""
-        get = self._scores.get
-        return np.fromiter((get(rid, 0.0) for rid in replica_ids), np.float64, len(replica_ids))
+        return self.scores.scaled(replica_ids)
 
     def check(self) -> None:
-        assert self._scale >= 1.0 and math.isfinite(self._scale)
-        assert all(s >= 0.0 and math.isfinite(s) for s in self._scores.values())
+        self.scores.check()

@@ -33,20 +33,20 @@ def test_rescaling_keeps_every_score_and_forgets_the_long_gone() -> None:
     work = RecentWork(half_life_tokens=1)
     work.record("gone", 1_000, replicas=1)
     steps = 0
-    while work._scale * 2.0**64 <= RESCALE_AT:  # up to just below a rescale
+    while work.scores._scale * 2.0**64 <= RESCALE_AT:  # up to just below a rescale
         work.record("live", 64, replicas=1)
         steps += 1
     before = work.score("live")
     work.record("live", 64, replicas=1)  # this one rescales
-    assert work._scale < 2.0**65 and steps > 0
+    assert work.scores._scale < 2.0**65 and steps > 0
     assert work.score("live") == pytest.approx(before * 2.0**-64 + 64)
-    assert "gone" not in work._scores  # decayed to nothing: dropped, not kept forever
+    assert "gone" not in work.scores  # decayed to nothing: dropped, not kept forever
     work.check()
 
 
 def test_nothing_routed_changes_nothing_and_a_half_life_must_be_positive() -> None:
     work = RecentWork()
     work.record("a", 0, replicas=4)
-    assert work.score("a") == 0.0 and work._scale == 1.0
+    assert work.score("a") == 0.0 and work.scores._scale == 1.0
     with pytest.raises(ValueError):
         RecentWork(half_life_tokens=0)
