@@ -223,7 +223,12 @@ class RayLLMPrefixRouter(PrefixAwareRequestRouter, KVAwareRouter):
         self._drop_feed(replica_id.unique_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's news of the replica set, sent again whenever a replica's routing stats
+        change: a replica that now advertises its events is followed at once, not at the
+        next request ranked (with no request in between, a replica whose stats came after
+        the last one went unfollowed, and its blocks unpublished, until traffic came)."""
         super().update_replicas(replicas)
+        self._follow(replicas)
         live = {r.replica_id.unique_id for r in replicas}
         for rid in [rid for rid in self._feeds if rid not in live]:
             self._drop_feed(rid)

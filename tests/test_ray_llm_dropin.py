@@ -115,10 +115,13 @@ def test_ray_serve_llm_with_our_router_sends_every_repeat_to_its_holder(tmp_path
         mirror = IndexMirror(config, CHAIN_ROOT, router_id="test-observer").start()
         hasher = BlockHasher(BLOCK, CHAIN_ROOT)
         try:
-            # the router makes a replica's feed when Serve first tells it of the replica,
-            # which on a loaded host can come after the app reports ready (a CI run saw
-            # one feed of two when the requests were over): both first, then the test
+            # the router follows a replica once Serve tells it the replica advertises its
+            # events, which on a loaded host can come after the app reports ready; Serve
+            # says so again when the stats come, with no request needed (before, a feed
+            # was made only as a request was ranked: the suite of 2026-12-07 waited 60 s
+            # here for one that came with the first request)
             _wait_for_feeds(index, 2, 60.0)
+            followed = len(index.live_replicas())
             with ThreadPoolExecutor(len(prompts)) as pool:  # all new, all at once
                 done = pool.map(serve_long, prompts)
                 most_booked = _most_in_flight(mirror, 10.0)
@@ -130,6 +133,7 @@ def test_ray_serve_llm_with_our_router_sends_every_repeat_to_its_holder(tmp_path
         finally:
             mirror.stop()
             index.close()
+        assert followed == 2  # both followed before the test sent its first request
         assert most_booked >= 2  # the router booked requests as it routed them
         assert left == 0
         assert len(live) == 2  # both replicas' feeds registered them
