@@ -185,7 +185,9 @@ class RayLLMPrefixRouter(PrefixAwareRequestRouter, KVAwareRouter):
             meta = (replica.routing_stats or {}).get("kv_event_metadata")
             if rid in self._feeds or not meta:
                 continue
-            with self._feeds_lock:
+            with self._feeds_lock:  # checked again inside: two callers never make two feeds
+                if rid in self._feeds:
+                    continue
                 feed = ReplicaFeed(rid, meta, self.index_config)
                 self._feeds[rid] = feed
                 self._hasher = self._hasher or feed.hasher
