@@ -124,7 +124,6 @@ class RayLLMPrefixRouter(PrefixAwareRequestRouter, KVAwareRouter):
     async def rank_candidates(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
     ) -> list[list[RunningReplica]]:
-        self._follow(candidate_replicas)
         if not self._listening:  # the ingress builds its tracker before it routes
             self._listening = ray_llm_events.listen(self)
         self._expire(time.monotonic())
@@ -179,15 +178,15 @@ class RayLLMPrefixRouter(PrefixAwareRequestRouter, KVAwareRouter):
             loop.call_soon_threadsafe(call, request_id)
 
     def _follow(self, replicas: list[RunningReplica]) -> None:
-        """A feed for every replica that advertises its events and has none yet."""
+        """A feed for every replica that advertises its events and has none yet (called
+        from ``update_replicas`` alone: a replica's routing stats reach this router only
+        with such an update, so a ranking has nothing new to follow)."""
         for replica in replicas:
             rid = replica.replica_id.unique_id
             meta = (replica.routing_stats or {}).get("kv_event_metadata")
             if rid in self._feeds or not meta:
                 continue
-            with self._feeds_lock:  # checked again inside: two callers never make two feeds
-                if rid in self._feeds:
-                    continue
+            with self._feeds_lock:
                 feed = ReplicaFeed(rid, meta, self.index_config)
                 self._feeds[rid] = feed
                 self._hasher = self._hasher or feed.hasher

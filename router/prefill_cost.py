@@ -141,15 +141,18 @@ class PrefillCost(RoutingPolicy):
         return dict(zip(table.ids, self.cost_column(request, table).tolist(), strict=True))
 
     def cost_column(self, request: RoutingRequest, table: ReplicaTable) -> np.ndarray:
-        costs = (
-            table.column("prefill_tokens")
-            + (request.num_prompt_tokens - cache_credits(request, table))
-            + self.knobs.decode_cost_tokens * table.column("in_flight")
-        )
+        costs = self._booked(table) + (request.num_prompt_tokens - cache_credits(request, table))
         pulled, stored = self._pull_saving(request, table), self._store_saving(request, table)
         if isinstance(pulled, np.ndarray) or isinstance(stored, np.ndarray):
             costs -= np.maximum(pulled, stored)
         return costs
+
+    def _booked(self, table: ReplicaTable) -> np.ndarray:
+        """What each replica has to run already: the prefill booked on it, and
+        ``decode_cost_tokens`` per request it runs."""
+        return table.column("prefill_tokens") + self.knobs.decode_cost_tokens * table.column(
+            "in_flight"
+        )
 
     def _pull_saving(self, request: RoutingRequest, table: ReplicaTable) -> np.ndarray | int:
         """Prefill tokens a pull saves each replica for this request, net of its price."""
@@ -231,9 +234,7 @@ class PrefillCost(RoutingPolicy):
         share = self.demand.share(request.block_hashes[int(kept[holder]) - 1])
         if share * len(table) <= holders:
             return None
-        load = table.column("prefill_tokens") + self.knobs.decode_cost_tokens * table.column(
-            "in_flight"
-        )
+        load = self._booked(table)
         best = int(cheapest(load, weights))
         return best if kept[best] < kept[holder] and load[best] < load[holder] else None
 
