@@ -77,6 +77,29 @@ def _most_in_flight(mirror: IndexMirror, timeout_s: float) -> int:
     return most
 
 
+BACKENDS = "Got updated backend configs"
+RELOADED = "Successfully performed graceful HAProxy reload"
+ENGINE_SERVER = re.compile(r"ServerConfig\(name='SERVE_REPLICA_llm-LLMServer[^']*'")
+
+
+def _engines_behind_haproxy(log: Path) -> int:
+    """Engine replicas in the last backend config HAProxy reloaded with (from Ray's log)."""
+    text = log.read_text(errors="replace")
+    at = text.rfind(BACKENDS)
+    if at < 0 or RELOADED not in text[at:]:
+        return 0
+    return len(set(ENGINE_SERVER.findall(text[at : text.index("\n", at)])))
+
+
+def _wait_for_haproxy(log: Path, count: int, timeout_s: float) -> None:
+    """Ray's app reports ready before HAProxy knows every engine replica (a CI run of
+    2026-12-07 sent all six new prompts 0.4 s after ready, while HAProxy's backends held one
+    replica: it took them all whatever the router chose)."""
+    deadline = time.monotonic() + timeout_s
+    while _engines_behind_haproxy(log) < count and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def _wait_for_feeds(index: IndexReader, count: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while len(index.live_replicas()) < count and time.monotonic() < deadline:
@@ -122,6 +145,8 @@ def test_ray_serve_llm_with_our_router_sends_every_repeat_to_its_holder(tmp_path
             # here for one that came with the first request)
             _wait_for_feeds(index, 2, 60.0)
             followed = len(index.live_replicas())
+            _wait_for_haproxy(tmp_path / "ray-llm-serve.log", 2, 60.0)
+            behind = _engines_behind_haproxy(tmp_path / "ray-llm-serve.log")
             with ThreadPoolExecutor(len(prompts)) as pool:  # all new, all at once
                 done = pool.map(serve_long, prompts)
                 most_booked = _most_in_flight(mirror, 10.0)
@@ -157,4 +182,9 @@ def test_ray_serve_llm_with_our_router_sends_every_repeat_to_its_holder(tmp_path
     # was reported before a later one was ranked weighs only its decode there (a CI run
     # on a loaded host split them 4/2), so the check is that neither replica took five
     went = [next(iter(h)) for h in held]
-    assert len(per_replica) == 2 and max(per_replica.values()) <= 4, (per_replica, routed, went)
+    assert len(per_replica) == 2 and max(per_replica.values()) <= 4, (
+        per_replica,
+        routed,
+        went,
+        behind,
+    )
