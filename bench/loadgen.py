@@ -34,6 +34,7 @@ class RequestResult:
     cached_tokens: int = 0
     completion_tokens: int = 0
     replica: str | None = None
+    trace_id: str | None = None  # the trace of a request the ingress traced (its answer says)
 
 
 def drive(
@@ -119,6 +120,16 @@ def _has_text(chunk: dict) -> bool:
     return bool(choices[0].get("text") or (choices[0].get("delta") or {}).get("content"))
 
 
+def new_traceparent() -> str:
+    """A W3C ``traceparent`` that asks for the request to be traced (sampled flag set)."""
+    return f"00-{os.urandom(16).hex()}-{os.urandom(8).hex()}-01"
+
+
+def _trace_id(traceparent: str | None) -> str | None:
+    parts = (traceparent or "").split("-")
+    return parts[1] if len(parts) == 4 else None
+
+
 async def send(
     client: httpx.AsyncClient,
     model: str,
@@ -137,6 +148,7 @@ async def send(
         async with client.stream("POST", path, json=body | (extra or {}), headers=headers) as resp:
             result.status = resp.status_code
             result.replica = resp.headers.get("x-replica-id")
+            result.trace_id = _trace_id(resp.headers.get("traceparent"))
             if resp.status_code != 200:
                 result.error = (await resp.aread()).decode(errors="replace")[:300]
                 result.latency_s = time.monotonic() - t0

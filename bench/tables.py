@@ -215,9 +215,11 @@ def render(path: Path, name: str | None = None) -> str:
 
         table = moves_table(run)
     elif run.get("arguments", {}).get("experiment") == "tenants":
-        from bench.experiments.tenants_report import phases_table
+        from bench.experiments.tenants_report import phases_table, spans_table, traced
 
         table = phases_table(run)
+        if traced(run):  # where the traced tenants' TTFT went
+            table += "\n\n" + spans_table(run)
     elif run.get("experiment") == "tracing":
         table = tracing_table(run)
     elif run.get("experiment") == "speculation":

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import httpx
 
-from bench.loadgen import RequestResult, send
+from bench.loadgen import RequestResult, new_traceparent, send
 from bench.workloads import TraceRequest
 
 CUT_OFF = "cut off"  # the error of a request abandoned at the cut-off
@@ -32,9 +32,11 @@ def drive_tenants(
     model: str,
     traces: Mapping[str, tuple[str, Sequence[TraceRequest]]],
     cut_off_s: float,
+    traced: frozenset[str] = frozenset(),
 ) -> dict[str, list[RequestResult]]:
-    """``traces``: per tenant, its API key and its trace. Returns each tenant's results."""
-    return asyncio.run(_drive_tenants(base_url, model, traces, cut_off_s))
+    """``traces``: per tenant, its API key and its trace. Returns each tenant's results.
+    ``traced``: the tenants whose requests ask to be traced (a sampled ``traceparent``)."""
+    return asyncio.run(_drive_tenants(base_url, model, traces, cut_off_s, traced))
 
 
 async def _drive_tenants(
@@ -42,6 +44,7 @@ async def _drive_tenants(
     model: str,
     traces: Mapping[str, tuple[str, Sequence[TraceRequest]]],
     cut_off_s: float,
+    traced: frozenset[str],
 ) -> dict[str, list[RequestResult]]:
     clients = {name: _client(base_url, key, cut_off_s + 30) for name, (key, _) in traces.items()}
     start = time.monotonic()
@@ -50,8 +53,10 @@ async def _drive_tenants(
         await asyncio.sleep(max(0.0, start + req.arrival_s - time.monotonic()))
         result = RequestResult(req.request_id, name, status=0)
         left = start + cut_off_s - time.monotonic()
+        headers = {"traceparent": new_traceparent()} if name in traced else None
         try:
-            await asyncio.wait_for(send(clients[name], model, req, result), max(left, 0.001))
+            sent = send(clients[name], model, req, result, headers)
+            await asyncio.wait_for(sent, max(left, 0.001))
         except TimeoutError:
             result.error = CUT_OFF
         return result

@@ -8,11 +8,13 @@ protobuf the test decodes with OpenTelemetry's proto package).
 - the ledger's three numbers on constructed cases: a short prefix cached on the other
   replica under round robin (reusable > routed = delivered), a long one pulled from it
   (delivered > routed), and the replica that holds it (all three equal);
-- a replica killed mid-stream: one trace holds both replicas' sends.
+- a replica killed mid-stream: one trace holds both replicas' sends;
+- a streamed request's TTFT cut into parts from its trace (``bench.harness.span_breakdown``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -21,9 +23,13 @@ import time
 import uuid
 
 import httpx
+import pytest
 from observed import KEY, MODEL, PULL_MIN_BLOCKS, Observed
 
 from bench.harness.otlp_receiver import ReceivedSpan
+from bench.harness.span_breakdown import PARTS, breakdown
+from bench.loadgen import RequestResult, new_traceparent, send
+from bench.workloads import TraceRequest
 
 HEADERS = {"authorization": f"Bearer {KEY}"}
 BLOCK = 16
@@ -51,7 +57,10 @@ def reuse(reply: httpx.Response) -> dict[str, int]:
 
 def trace_of(observed: Observed, reply: httpx.Response, names: set[str]) -> list[ReceivedSpan]:
     """The spans of the reply's trace, once every one of ``names`` has arrived."""
-    trace_id = reply.headers["traceparent"].split("-")[1]
+    return trace_of_id(observed, reply.headers["traceparent"].split("-")[1], names)
+
+
+def trace_of_id(observed: Observed, trace_id: str, names: set[str]) -> list[ReceivedSpan]:
     deadline = time.monotonic() + 15
     while True:
         spans = observed.receiver.spans(trace_id)
@@ -231,3 +240,25 @@ def test_a_failover_is_one_trace_across_both_replicas(observed: Observed) -> Non
     ):
         assert time.monotonic() < deadline, [s.name for s in observed.receiver.spans(trace_id)]
         time.sleep(0.1)
+
+
+def test_a_requests_time_to_first_token_is_cut_into_parts_that_add_up(observed: Observed) -> None:
+    """``bench.harness.span_breakdown`` on a real streamed request: every part of its TTFT
+    as its client timed it comes from its trace, none negative, and they add up."""
+    req = TraceRequest("breakdown", 0.0, "Hi?", 4, system=f"Parts {uuid.uuid4().hex}. " * 8)
+
+    async def go() -> RequestResult:
+        async with httpx.AsyncClient(base_url=observed.base_url, headers=HEADERS) as client:
+            return await send(client, MODEL, req, headers={"traceparent": new_traceparent()})
+
+    result = asyncio.run(go())
+    assert result.status == 200 and result.ttft_s is not None and result.trace_id
+    names = {"POST /v1/chat/completions", "router.decide", "replica.generate", "replica.decode"}
+    trace_of_id(observed, result.trace_id, names)
+    found = breakdown(observed.receiver.spans(), [result])
+    assert found["requests"] == 1 and found["missing_spans"] == 0, found
+    parts = found["slowest"]
+    assert set(parts) == {"ttft_s", *PARTS}
+    assert all(parts[p] >= 0 for p in PARTS), parts
+    assert sum(parts[p] for p in PARTS) == pytest.approx(result.ttft_s, abs=1e-6)
+    assert parts["prefill"] > 0  # its prompt was computed: a step ran for it

@@ -27,6 +27,8 @@ abandoned before its first token counts as a TTFT beyond the cut-off. Modes alte
 ABBA over ``--repeats``. With ``--ingress-replicas`` 2 the clients reach two ingresses
 (Serve's proxy picks one per request) that share one fair queue in Redis
 (``cluster.shared_queue``), express slots included; ``--phases`` runs some phases only.
+``--trace`` traces the named tenants' requests and says, per phase, where their time to
+first token went (``bench.harness.span_breakdown``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from bench.harness.histograms import between, tenant_ttft_buckets
 from bench.harness.launcher import ServeCluster
 from bench.harness.private_ray import PrivateRay
 from bench.harness.rounds import abba, chosen_modes, redis_and_ray
+from bench.harness.span_breakdown import TracedTenants
 from bench.loadgen import RequestResult
 from bench.peers.host import provenance
 from bench.tenant_load import CUT_OFF, closed_loop, drive_tenants
@@ -86,6 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--trace",
+        default="",
+        help="tenants (comma-separated) whose requests are traced: where their TTFT went",
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -95,11 +103,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     modes = chosen_modes(args.modes, MODES)
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     capacity = args.capacity
-    with redis_and_ray(out) as (url, ray):
-        for rep in range(args.repeats):
-            for mode in abba(modes, rep):
-                result, capacity = run_mode(args, mode, capacity, url, ray, engine)
-                runs[mode].append(result)
+    traced = chosen_modes(args.trace, tuple(KEYS), "--trace") if args.trace else []
+    tracing = TracedTenants(frozenset(traced)) if traced else None
+    try:
+        with redis_and_ray(out, tracing.env if tracing else None) as (url, ray):
+            for rep in range(args.repeats):
+                for mode in abba(modes, rep):
+                    result, capacity = run_mode(args, mode, capacity, url, ray, engine, tracing)
+                    runs[mode].append(result)
+    finally:
+        if tracing is not None:
+            tracing.stop()
     assert capacity is not None
     payload = {
         "title": "Tenants: a noisy neighbour, FIFO vs the fair queue (real cluster)",
@@ -145,9 +159,12 @@ def run_mode(
     url: str,
     ray: PrivateRay,
     engine: EngineConfig,
+    tracing: TracedTenants | None = None,
 ) -> tuple[dict[str, Any], float]:
-    """One cluster in ``mode``: (calibrate,) then every phase; returns their metrics."""
-    with ServeCluster(cluster_args(args, mode, url, engine), ray=ray) as cluster:
+    """One cluster in ``mode``: (calibrate,) then every phase; returns their metrics (and
+    with ``tracing``, where its tenants' TTFT went: ``_spans``)."""
+    env = tracing.env if tracing else None
+    with ServeCluster(cluster_args(args, mode, url, engine), ray=ray, env=env) as cluster:
         model = engine.model_id
         warm = lambda i: TraceRequest(f"warm-{i}", 0, f"warm up {i}", 2)  # noqa: E731
         closed_loop(cluster.base_url, model, KEYS["a"], warm, 4, 5)
@@ -172,9 +189,12 @@ def run_mode(
             print(f"tenants: {mode} {name} ({capacity:.2f} requests/s capacity)", flush=True)
             cut_off = args.duration + args.grace
             before = tenant_ttft_buckets(cluster.base_url, KEYS["a"])
-            per_tenant = drive_tenants(cluster.base_url, model, phase, cut_off)
+            traced = tracing.tenants if tracing else frozenset()
+            per_tenant = drive_tenants(cluster.base_url, model, phase, cut_off, traced)
             result[name] = {t: tenant_metrics(rs, cut_off) for t, rs in per_tenant.items()}
             result[name]["_after"] = wait_idle(cluster)
+            if tracing is not None:
+                result[name]["_spans"] = tracing.collect(per_tenant)
             # the same requests' TTFT as the ingress measured it (its wait included)
             after = tenant_ttft_buckets(cluster.base_url, KEYS["a"])
             result[name]["_ingress_ttft"] = between(before, after)

@@ -9,6 +9,8 @@ import math
 import statistics
 from typing import Any
 
+from bench.harness.span_breakdown import PARTS
+
 METRICS = ("ttft_p50_s", "ttft_p99_s", "served_rps", "refused", "cut_off", "mean_cost_tokens")
 
 
@@ -128,6 +130,53 @@ def phases_table(payload: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def spans_table(payload: dict[str, Any]) -> str:
+    """Where the traced tenants' TTFT went (``--trace``), in ms: each part's p50 (the
+    median over the repeats), and the parts of the slowest traced request of all repeats."""
+    head = " | ".join(p.replace("_", " ") for p in PARTS)
+    lines = [
+        f"| mode | phase | tenant | requests | | TTFT | {head} |",
+        "| --- | --- | --- | --- | --- | --- |" + " --- |" * len(PARTS),
+    ]
+    for mode, runs in payload["runs"].items():
+        for phase, traced in _traced(runs).items():
+            for tenant, found in traced.items():
+                rows = [r for r in found if r.get("requests")]
+                if not rows:
+                    continue
+                n = sum(r["requests"] for r in rows)
+                p50 = [_median([r["p50_s"][p] for r in rows]) for p in PARTS]
+                ttft = _median([r["ttft_p50_s"] or math.inf for r in rows])
+                slow = max((r["slowest"] for r in rows), key=lambda x: x["ttft_s"])
+                cells = " | ".join(f"{1000 * v:.0f}" for v in p50)
+                first = f"| {mode} | {phase} | {tenant} | {n} | p50 | {1000 * ttft:.0f}"
+                lines.append(f"{first} | {cells} |")
+                cells = " | ".join(f"{1000 * slow[p]:.0f}" for p in PARTS)
+                lines.append(f"| | | | | slowest | {1000 * slow['ttft_s']:.0f} | {cells} |")
+    return "\n".join(lines)
+
+
+def traced(payload: dict[str, Any]) -> bool:
+    """Whether the run traced some tenants' requests (``--trace``)."""
+    runs = [r for mode_runs in payload.get("runs", {}).values() for r in mode_runs]
+    return any("_spans" in phase for r in runs for phase in r.values())
+
+
+def _traced(runs: list[dict[str, Any]]) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Per phase and traced tenant, its breakdown in each run, with the run's TTFT p50."""
+    out: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for run in runs:
+        for phase, result in run.items():
+            for tenant, found in result.get("_spans", {}).items():
+                row = found | {"ttft_p50_s": result[tenant]["ttft_p50_s"]}
+                out.setdefault(phase, {}).setdefault(tenant, []).append(row)
+    return out
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
 def markdown(payload: dict[str, Any]) -> str:
     lines = [
         f"# {payload['title']}",
@@ -136,6 +185,8 @@ def markdown(payload: dict[str, Any]) -> str:
         "",
         phases_table(payload),
     ]
+    if traced(payload):
+        lines += ["", "Where the traced tenants' TTFT went (ms):", "", spans_table(payload)]
     lines += ["", "Checks (medians):", ""]
     for mode, checks in payload["summary"]["checks"].items():
         for key, value in checks.items():

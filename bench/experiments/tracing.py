@@ -140,7 +140,7 @@ def run_round(
         asyncio.run(closed_loop(cluster.base_url, model, requests[: args.warmup], args))
         measured = requests[args.warmup :]
         results, makespan = asyncio.run(closed_loop(cluster.base_url, model, measured, args))
-        spans_running = settled_spans(receiver)
+        spans_running = receiver.settled()
     spans = receiver.count()
     metrics = round_metrics(results, makespan)
     return metrics | {
@@ -169,20 +169,6 @@ async def closed_loop(
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         makespan = time.monotonic() - start
     return [r for r in results if r is not None], makespan
-
-
-def settled_spans(receiver: ReceiverProcess, quiet_s: float = 7.0, limit_s: float = 30.0) -> int:
-    """The spans received once none came for ``quiet_s`` (more than the batch processor's
-    default 5 s delay), or after ``limit_s``."""
-    deadline, last, count = time.monotonic() + limit_s, time.monotonic(), -1
-    while time.monotonic() < deadline:
-        now = receiver.count()
-        if now != count:
-            count, last = now, time.monotonic()
-        elif time.monotonic() - last >= quiet_s:
-            break
-        time.sleep(0.5)
-    return count
 
 
 def round_metrics(results: list[RequestResult], makespan: float) -> dict[str, Any]:

@@ -5,19 +5,21 @@ It speaks the protocol the OpenTelemetry exporters speak (``POST /v1/traces``, a
 ``ExportTraceServiceRequest`` in protobuf, gzip or not) and decodes it with the
 OpenTelemetry proto package, so what a test reads is what any collector would have received.
 ``ReceiverProcess`` runs one in a process of its own (a benchmark's collector), answering
-``GET /count`` and ``POST /clear``; ``tracing_env`` is what a cluster is started with to
-send it its traces.
+``GET /count``, ``GET /spans`` and ``POST /clear``; ``tracing_env`` is what a cluster is
+started with to send it its traces.
 """
 
 from __future__ import annotations
 
 import gzip
+import json
 import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -103,11 +105,14 @@ class OTLPReceiver:
                 else:  # metrics or logs: someone else's exporter
                     self.send_error(404)
 
-            def do_GET(self) -> None:  # ``/count``: the spans received, for another process
-                if self.path != "/count":
+            def do_GET(self) -> None:  # for another process: ``/count``, or ``/spans`` in JSON
+                if self.path == "/count":
+                    self._reply(str(len(receiver.spans())).encode(), "text/plain")
+                elif self.path == "/spans":
+                    spans = [asdict(s) for s in receiver.spans()]
+                    self._reply(json.dumps(spans).encode(), "application/json")
+                else:
                     self.send_error(404)
-                    return
-                self._reply(str(len(receiver.spans())).encode(), "text/plain")
 
             def _reply(self, body: bytes, content_type: str) -> None:
                 self.send_response(200)
@@ -168,6 +173,25 @@ class ReceiverProcess:
     def count(self) -> int:
         with urllib.request.urlopen(f"{self.endpoint}/count", timeout=10) as reply:
             return int(reply.read())
+
+    def settled(self, quiet_s: float = 7.0, limit_s: float = 30.0) -> int:
+        """The spans received once none came for ``quiet_s`` (more than the batch
+        processor's default 5 s delay), or after ``limit_s``."""
+        deadline, last, count = time.monotonic() + limit_s, time.monotonic(), -1
+        while time.monotonic() < deadline:
+            now = self.count()
+            if now != count:
+                count, last = now, time.monotonic()
+            elif time.monotonic() - last >= quiet_s:
+                break
+            time.sleep(0.5)
+        return count
+
+    def spans(self) -> list[ReceivedSpan]:
+        """Every span received so far (``GET /spans``)."""
+        with urllib.request.urlopen(f"{self.endpoint}/spans", timeout=30) as reply:
+            rows = json.loads(reply.read())
+        return [ReceivedSpan(**(row | {"events": tuple(row["events"])})) for row in rows]
 
     def clear(self) -> None:
         request = urllib.request.Request(f"{self.endpoint}/clear", method="POST", data=b"")

@@ -26,11 +26,12 @@ def abba(modes: list[str], repeat: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def redis_and_ray(out: Path) -> Iterator[tuple[str, PrivateRay]]:
-    """A Redis and a private Ray (its log in ``out``) for every round, stopped after."""
+def redis_and_ray(out: Path, env: dict[str, str] | None = None) -> Iterator[tuple[str, PrivateRay]]:
+    """A Redis and a private Ray (its log in ``out``; ``env`` added to its processes') for
+    every round, stopped after."""
     with contextlib.ExitStack() as stack:
         url = stack.enter_context(LocalRedis()).url
         ray = PrivateRay(out / "ray.log", dashboard=False)
         stack.callback(ray.stop)
-        ray.start(cluster_env())
+        ray.start(cluster_env() | (env or {}))
         yield url, ray
