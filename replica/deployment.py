@@ -14,7 +14,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -131,7 +131,7 @@ class EngineReplica:
         self.mover.watch()
         tracer = telemetry.tracer("prefix-serve-replica") if request.trace_parent else None
         arrived = time.monotonic()
-        pulled = await self._admit(request, traced=tracer is not None)
+        pulled, waited = await self._admit(request, traced=tracer is not None)
         loop = asyncio.get_running_loop()
         rid = request.request_id
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -164,10 +164,16 @@ class EngineReplica:
             if tracer is not None:
                 stay = (arrived, time.monotonic())
                 ended = last if last is not None and last.finished else None
-                record_replica_spans(tracer, request, self.replica_id, stay, pulled, ended, emitted)
+                record_replica_spans(
+                    tracer, request, self.replica_id, stay, pulled, waited, ended, emitted
+                )
 
-    async def _admit(self, request: EngineRequest, traced: bool) -> PullOutcome | None:
-        """Compile its grammar, pull its prefix, add it to the engine (the pull's outcome)."""
+    async def _admit(
+        self, request: EngineRequest, traced: bool
+    ) -> tuple[PullOutcome | None, tuple[float, float]]:
+        """Compile its grammar, pull its prefix, add it to the engine. Returns the pull's
+        outcome, and when the add was handed to the engine's thread and when that thread
+        took it (between them: the rest of the step it was running)."""
         loop = asyncio.get_running_loop()
         add = functools.partial(
             self.engine.add_request,
@@ -184,8 +190,9 @@ class EngineReplica:
         if structured is not None:  # compiled (once per schema) off the engine's thread
             await loop.run_in_executor(None, self.engine.grammars.compile, structured)
         pulled = await self.puller.before_admission(request)
-        await loop.run_in_executor(self._executor, add)
-        return pulled
+        submitted = time.monotonic()
+        began = await loop.run_in_executor(self._executor, _timed, add)
+        return pulled, (submitted, began)
 
     async def export_prefix(self, request: PullRequest) -> PrefixExport:
         """This replica's verified cached prefix of another replica's prompt (between steps,
@@ -290,3 +297,10 @@ class EngineReplica:
                 log.info("left the index (node store: last user %s, publisher %s)", last, leading)
             if self.tier is not None:
                 self.tier.wait_idle(2.0)  # its mapping stays: steps may still run
+
+
+def _timed(call: Callable[[], object]) -> float:
+    """``call()`` on the engine's thread; when it began there."""
+    began = time.monotonic()
+    call()
+    return began

@@ -3,9 +3,11 @@ the way (``EngineTimes``, the pull's outcome): nothing on the step's path create
 
 ``replica.generate`` (the request's whole stay, a child of the ingress's engine call through
 the ``traceparent`` it carried) holds, as they happened: ``replica.pull`` (from whom, how
-many tokens, failed or not), ``replica.restore`` (from the node store), ``replica.queue``
-(added to first scheduled), ``replica.prefill`` with one ``replica.prefill.chunk`` per step
-that computed part of the prompt, and ``replica.decode`` (first token to the last).
+many tokens, failed or not), ``replica.step_wait`` (its add handed to the engine's thread
+until that thread took it: whatever it was running, mostly the rest of a step),
+``replica.restore`` (from the node store), ``replica.queue`` (added to first scheduled),
+``replica.prefill`` with one ``replica.prefill.chunk`` per step that computed part of the
+prompt, and ``replica.decode`` (first token to the last).
 """
 
 from __future__ import annotations
@@ -29,12 +31,15 @@ def record_replica_spans(
     replica_id: str,
     stay: tuple[float, float],
     pulled: PullOutcome | None,
+    waited: tuple[float, float],
     last: RequestOutput | None,
     output_tokens: int,
 ) -> None:
     """The spans of one request's ``stay`` (monotonic start, end) on ``replica_id``;
-    ``last``: its last output (None: it never produced one, or its stream was cut);
-    ``output_tokens``: how many it streamed (choice 0)."""
+    ``waited``: when its add was handed to the engine's thread and when that thread took
+    it (``replica.step_wait``: mostly the rest of the step it was running); ``last``: its last
+    output (None: it never produced one, or its stream was cut); ``output_tokens``: how
+    many it streamed (choice 0)."""
     attributes = {
         "prefix_serve.replica": replica_id,
         "prefix_serve.request_id": request.request_id,
@@ -61,6 +66,7 @@ def record_replica_spans(
               {"prefix_serve.pull.holder": pulled.holder,
                "prefix_serve.pull.tokens": pulled.tokens,
                "prefix_serve.pull.failed": pulled.failed})  # fmt: skip
+    _span(tracer, inside, "replica.step_wait", waited[0], waited[1], {})
     if last is not None and last.times is not None:
         _engine_spans(tracer, inside, last.times, last, output_tokens)
     root.end(end_time=epoch_ns(stay[1]))

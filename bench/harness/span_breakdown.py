@@ -9,10 +9,12 @@ its one trace (the processes share the host's clock, so their epoch times compar
 - ``route``: the router's decision (``router.decide``);
 - ``to_replica``: from the decision's end to the replica taking the request (Serve's
   handle, the replica's event loop);
-- ``to_engine``: on the replica, from its handler taking the request to the engine's
-  queue (a pull, a restore from the node store, the hand-over to the engine's thread);
-- ``engine_queue``: in the engine's queue until a step schedules it (the step already
-  running when it came, then any that its priority or the batch's room made it wait for);
+- ``pull_check``: on the replica, from its handler taking the request to handing it to
+  the engine's thread (its grammar, the index asked whether a pull would pay, a pull);
+- ``step_wait``: until the engine's thread took it (``replica.step_wait``: mostly the rest
+  of the step already running when it came, which is not interrupted);
+- ``engine_queue``: a restore from the node store, then the engine's queue until a step
+  schedules it (its priority or the batch's room may hold it there);
 - ``prefill``: scheduled to its first token (the steps computing its prompt);
 - ``outside``: the rest of the client's TTFT: the client to the ingress before, and the
   first token back from the replica through the ingress and Serve's proxy after.
@@ -32,7 +34,16 @@ from bench.harness.otlp_receiver import ReceivedSpan, ReceiverProcess, tracing_e
 from bench.loadgen import RequestResult
 from kvindex.measure import percentile
 
-PARTS = ("admission", "route", "to_replica", "to_engine", "engine_queue", "prefill", "outside")
+PARTS = (
+    "admission",
+    "route",
+    "to_replica",
+    "pull_check",
+    "step_wait",
+    "engine_queue",
+    "prefill",
+    "outside",
+)
 ROOT_PREFIX = "POST /v1/"
 
 
@@ -47,7 +58,14 @@ def _by_trace(spans: Iterable[ReceivedSpan]) -> dict[str, dict[str, list[Receive
 def request_parts(named: dict[str, list[ReceivedSpan]], ttft_s: float) -> dict[str, float] | None:
     """One request's parts in seconds (they add up to ``ttft_s``), or None without the spans
     that bound them. The last send counts (a resume after a replica died is a second)."""
-    needed = ("root", "ingress.engine_call", "router.decide", "replica.generate", "replica.decode")
+    needed = (
+        "root",
+        "ingress.engine_call",
+        "router.decide",
+        "replica.generate",
+        "replica.step_wait",
+        "replica.decode",
+    )
     if any(not named.get(name) for name in needed):
         return None
     root = named["root"][0]
@@ -55,12 +73,12 @@ def request_parts(named: dict[str, list[ReceivedSpan]], ttft_s: float) -> dict[s
     decide = max(named["router.decide"], key=lambda s: s.start_ns)
     stay = max(named["replica.generate"], key=lambda s: s.start_ns)
     first = max(named["replica.decode"], key=lambda s: s.start_ns).start_ns
-    queued = named.get("replica.queue") or []
-    prefill = named.get("replica.prefill") or queued
+    waited = max(named["replica.step_wait"], key=lambda s: s.start_ns)
+    prefill = named.get("replica.prefill") or named.get("replica.queue") or []
     scheduled = prefill[-1].start_ns if prefill else first
-    added = queued[-1].start_ns if queued else scheduled
     routed = max(decide.end_ns, call.start_ns)  # a decision made before the send counts 0
-    marks = [root.start_ns, call.start_ns, routed, stay.start_ns, added, scheduled, first]
+    marks = [root.start_ns, call.start_ns, routed, stay.start_ns]
+    marks += [waited.start_ns, waited.end_ns, scheduled, first]
     gaps = [b - a for a, b in pairwise(marks)]
     parts = dict(zip(PARTS[:-1], gaps, strict=True))  # "outside": from the client's TTFT
     seconds = {k: v / 1e9 for k, v in parts.items()}
