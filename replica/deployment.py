@@ -14,7 +14,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 from kvindex.writer import IndexWriter
 from replica import process, telemetry
 from replica.args import ReplicaArgs
-from replica.engine_loop import EngineLoop
+from replica.engine_loop import EngineLoop, timed
 from replica.errors import RequestFailedError
 from replica.messages import EngineRequest, KVPush, Move, MoveOrder, PullRequest, RequestOutput
 from replica.moves import Mover
@@ -191,7 +191,7 @@ class EngineReplica:
             await loop.run_in_executor(None, self.engine.grammars.compile, structured)
         pulled = await self.puller.before_admission(request)
         submitted = time.monotonic()
-        began = await loop.run_in_executor(self._executor, _timed, add)
+        began = await loop.run_in_executor(self._executor, timed, add)
         return pulled, (submitted, began)
 
     async def export_prefix(self, request: PullRequest) -> PrefixExport:
@@ -297,10 +297,3 @@ class EngineReplica:
                 log.info("left the index (node store: last user %s, publisher %s)", last, leading)
             if self.tier is not None:
                 self.tier.wait_idle(2.0)  # its mapping stays: steps may still run
-
-
-def _timed(call: Callable[[], object]) -> float:
-    """``call()`` on the engine's thread; when it began there."""
-    began = time.monotonic()
-    call()
-    return began

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -133,3 +134,11 @@ class EngineLoop:
 async def _after(wait: Callable[[], bool], queue: Stream, item: RequestOutput) -> None:
     await asyncio.get_running_loop().run_in_executor(None, wait)  # off the engine's thread
     queue.put_nowait(item)
+
+
+def timed(call: Callable[[], object]) -> float:
+    """``call()`` (run on the engine's thread by the caller's executor); when it began there:
+    what waited before it, since it was handed over, was the thread's work in progress."""
+    began = time.monotonic()
+    call()
+    return began
