@@ -10,12 +10,20 @@ from bench.workloads import TraceRequest, filler_text, system_prompt
 
 
 def tenant_trace(
-    tenant: str, rate: float, duration_s: float, seed: int, cached: bool, max_tokens: int = 24
+    tenant: str,
+    rate: float,
+    duration_s: float,
+    seed: int,
+    cached: bool,
+    max_tokens: int = 24,
+    variant: str = "",
 ) -> list[TraceRequest]:
     """One tenant's open-loop requests for ``duration_s`` seconds: ``cached``, its own
     ~1,200-character system prompt and a short question (the prompt is served from cache
-    after the first); else ~1,200 characters of text of its own each (nothing cached)."""
-    rng = random.Random(f"{seed}/{tenant}/{rate}/{cached}")
+    after the first); else ~1,200 characters of text of its own each (nothing cached).
+    Another ``variant`` gives other questions (and arrivals) under the same system prompt:
+    one phase does not replay another's requests, whose every full block would be cached."""
+    rng = random.Random(f"{seed}/{tenant}/{rate}/{cached}/{variant}")
     system = system_prompt(seed, f"tenant-{tenant}", 1200)
     times = []
     t = rng.expovariate(rate)

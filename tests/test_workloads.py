@@ -107,6 +107,10 @@ def test_a_tenant_trace_is_cached_after_its_first_request_only_when_asked() -> N
     assert oracle_hit_rate(cached, hasher, tokenizer) > 0.7
     assert len(first_blocks(uncached)) == len(uncached)
     assert oracle_hit_rate(uncached, hasher, tokenizer) == 0.0
+    # another phase's trace: the same system prompt, none of the same requests
+    noisy = tenant_trace("b", 2.0, 20.0, seed=0, cached=True, variant="noisy")
+    assert first_blocks(noisy, 50) == first_blocks(cached, 50)
+    assert not {r.prompt for r in noisy} & {r.prompt for r in cached}
 
 
 def test_a_percentile_beyond_the_cut_off_is_unknown_not_a_number() -> None:

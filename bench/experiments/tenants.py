@@ -62,7 +62,8 @@ KEYS = {"a": "sk-tenant-a", "b": "sk-tenant-b", "lo": "sk-tenant-lo", "hi": "sk-
 PRIORITY = {"hi": 5}
 MODES = ("fifo", "fair", "express", "express_flat")
 PHASES = ("b_alone", "noisy", "cost_share", "priority")
-Phase = dict[str, tuple[str, list[TraceRequest]]]
+Load = list[TraceRequest]
+Phase = dict[str, tuple[str, Load]]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -181,10 +182,14 @@ def run_mode(
             )
         result: dict[str, Any] = {}
         todo = phases(args, mode, capacity)
-        # B's and the priority tenant's prompts cached first, as they are in the later
+        # B's and the priority tenant's system prompts cached first, as in the later
         # phases: their alone values are then of warm requests too, not of one prefill
-        warm_up = {t: todo[p][t] for p, t in (("b_alone", "b"), ("priority", "hi")) if p in todo}
-        drive_tenants(cluster.base_url, model, {t: (k, r[:1]) for t, (k, r) in warm_up.items()}, 60)
+        warm_up = {  # a request of its own each: no phase's first request is replayed
+            t: (KEYS[t], tenant_trace(t, 1.0, 10.0, args.seed, True, args.max_tokens, "warm")[:1])
+            for t in ("b", "hi")
+            if any(t in phase for phase in todo.values())
+        }
+        drive_tenants(cluster.base_url, model, warm_up, 60)
         for name, phase in todo.items():
             print(f"tenants: {mode} {name} ({capacity:.2f} requests/s capacity)", flush=True)
             cut_off = args.duration + args.grace
@@ -202,19 +207,27 @@ def run_mode(
 
 
 def phases(args: argparse.Namespace, mode: str, capacity: float) -> dict[str, Phase]:
-    def load(tenant: str, times: float, cached: bool = True) -> tuple[str, list[TraceRequest]]:
-        rate = times * capacity
-        return KEYS[tenant], tenant_trace(
-            tenant, rate, args.duration, args.seed, cached, args.max_tokens
+    """Each phase's tenants, keys and traces. Every phase asks its own questions (a trace
+    ``variant`` of its own): B under the flood must not replay B alone's requests, whose
+    full blocks would then be cached (22 prompt tokens to compute alone, 7 replayed)."""
+
+    def load(tenant: str, times: float, phase: str, cached: bool = True) -> tuple[str, Load]:
+        trace = tenant_trace(
+            tenant, times * capacity, args.duration, args.seed, cached, args.max_tokens, phase
         )
+        return KEYS[tenant], trace
 
     out: dict[str, Phase] = {
-        "b_alone": {"b": load("b", args.light)},
-        "noisy": {"a": load("a", args.flood), "b": load("b", args.light)},
-        "cost_share": {"a": load("a", args.share, cached=False), "b": load("b", args.share)},
+        "b_alone": {"b": load("b", args.light, "b_alone")},
+        "noisy": {"a": load("a", args.flood, "noisy"), "b": load("b", args.light, "noisy")},
+        "cost_share": {
+            "a": load("a", args.share, "cost_share", cached=False),
+            "b": load("b", args.share, "cost_share"),
+        },
     }
     if mode != "fifo":  # priorities act in the fair queue only
-        out["priority"] = {"lo": load("lo", args.flood), "hi": load("hi", args.light)}
+        lo, hi = load("lo", args.flood, "priority"), load("hi", args.light, "priority")
+        out["priority"] = {"lo": lo, "hi": hi}
     wanted = chosen_modes(args.phases, PHASES, "--phases")  # b_alone too: every ratio's alone value
     return {name: phase for name, phase in out.items() if name in wanted}
 
