@@ -23,7 +23,8 @@ def tenant_trace(
     after the first); else ~1,200 characters of text of its own each (nothing cached).
     Another ``variant`` gives other questions (and arrivals) under the same system prompt:
     one phase does not replay another's requests, whose every full block would be cached."""
-    rng = random.Random(f"{seed}/{tenant}/{rate}/{cached}/{variant}")
+    # no variant: the seed string the traces of earlier runs were drawn from, unchanged
+    rng = random.Random(f"{seed}/{tenant}/{rate}/{cached}" + (f"/{variant}" if variant else ""))
     system = system_prompt(seed, f"tenant-{tenant}", 1200)
     times = []
     t = rng.expovariate(rate)

@@ -145,8 +145,8 @@ def spans_table(payload: dict[str, Any]) -> str:
                 if not rows:
                     continue
                 n = sum(r["requests"] for r in rows)
-                p50 = [_median([r["p50_s"][p] for r in rows]) for p in PARTS]
-                ttft = _median([r["ttft_p50_s"] or math.inf for r in rows])
+                p50 = [statistics.median([r["p50_s"][p] for r in rows]) for p in PARTS]
+                ttft = statistics.median([r["ttft_p50_s"] or math.inf for r in rows])
                 slow = max((r["slowest"] for r in rows), key=lambda x: x["ttft_s"])
                 cells = " | ".join(f"{1000 * v:.0f}" for v in p50)
                 first = f"| {mode} | {phase} | {tenant} | {n} | p50 | {1000 * ttft:.0f}"
@@ -171,10 +171,6 @@ def _traced(runs: list[dict[str, Any]]) -> dict[str, dict[str, list[dict[str, An
                 row = found | {"ttft_p50_s": result[tenant]["ttft_p50_s"]}
                 out.setdefault(phase, {}).setdefault(tenant, []).append(row)
     return out
-
-
-def _median(values: list[float]) -> float:
-    return statistics.median(values)
 
 
 def markdown(payload: dict[str, Any]) -> str:
